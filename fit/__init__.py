@@ -1,0 +1,1 @@
+"""Turns parsed traces into exact per-op activation formulas (formula sets)."""

@@ -1,0 +1,1 @@
+"""Tracing side: the C++ allocator's Python bindings, scopes, the profiling launcher, trace parsing and exports."""
