@@ -1,0 +1,34 @@
+# Two commands on a fresh machine (Python 3.11 with venv):
+#   make example   set up a light venv (numpy only) and run the estimator on the bundled launch script
+#   make test      set up the pinned test venv (torch 2.13.0 CPU, megatron-core 0.16.1) and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: example test bench accuracy clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The estimator needs numpy only; the package itself is installed editable so `get-training-info` exists too.
+$(VENV)/.estimator-ready: $(VENV)/bin/python setup.py
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test-ready: $(VENV)/.estimator-ready requirements-test.txt
+	$(PIP) install -r requirements-test.txt
+	touch $@
+
+example: $(VENV)/.estimator-ready
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/estimate_llama2_7b.sh
+
+test: $(VENV)/.test-ready
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.test-ready
+	$(PY) benchmarks/estimator_speed.py
+	$(PY) benchmarks/tracer_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

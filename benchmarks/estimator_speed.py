@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Estimator speed, measured side by side in one run.
+
+1. CLI wall time of `python get_training_info.py <example args> --json` as a ratio of a bare `python -c pass`
+   (interpreter start-up is the floor; the target is a ratio under 3).
+2. Full estimates per second in process (parse + model + memory + schedule + communication; target >= 1000/s).
+
+    python benchmarks/estimator_speed.py [--runs N]
+"""
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from estimator.cli import build_report  # noqa: E402
+
+# Llama-2 7B on 16 GPUs, as in examples/pretrain_llama2_7b.sh.
+EXAMPLE_ARGS = shlex.split(
+    "--nproc_per_node 8 --nnodes 2 --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 "
+    "--num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope "
+    "--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--vocab-size 32000 --micro-batch-size 1 --global-batch-size 256 --bf16 --use-flash-attn "
+    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
+)
+
+
+def median_wall(cmd, runs):
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=7, help="process launches per measurement (median taken)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="time budget for the in-process loop")
+    opts = ap.parse_args()
+
+    bare = median_wall([sys.executable, "-c", "pass"], opts.runs)
+    cli = median_wall([sys.executable, "get_training_info.py", *EXAMPLE_ARGS, "--json"], opts.runs)
+    print(f"python -c pass            {bare * 1e3:8.1f} ms")
+    print(f"get_training_info.py      {cli * 1e3:8.1f} ms")
+    print(f"ratio CLI / bare python   {cli / bare:8.2f}   (target < 3)")
+
+    build_report(EXAMPLE_ARGS)  # warm caches (formula-set file read) as a long-running caller would
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < opts.seconds:
+        build_report(EXAMPLE_ARGS)
+        n += 1
+    rate = n / (time.perf_counter() - t0)
+    print(f"full estimates per second {rate:8.0f}   (target >= 1000)")
+    imported = [m for m in ("torch", "megatron") if m in sys.modules]
+    print(f"torch/megatron imported   {'yes: ' + ', '.join(imported) if imported else 'no'}")
+
+
+if __name__ == "__main__":
+    main()

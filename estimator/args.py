@@ -1,0 +1,619 @@
+"""Megatron-LM / torchrun command lines -> a validated `TrainingConfig`.
+
+Field names are Megatron-LM's argparse `dest` names (docs/FORMATS.md section 1); defaults, derived values and
+validation messages follow Megatron-LM `megatron/training/arguments.py` and megatron-core 0.16 (TransformerConfig,
+parallel_state, the microbatch calculator), so a config that Megatron would reject is rejected here with its words.
+A hand-written parser instead of argparse: argparse abbreviates flags, exits on its own and cannot collect the
+values of unknown flags reliably; here every unknown flag is kept in `ignored_args`.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from estimator import hf_config
+
+
+class ConfigError(ValueError):
+    """An invalid command line or combination; the message is one line meant for the user (exit code 2)."""
+
+
+@dataclass
+class TrainingConfig:
+    # --- model shape ---
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None  # derived: 4h, or int(8h/3 / 64) * 64 with --swiglu
+    num_attention_heads: Optional[int] = None
+    group_query_attention: bool = False
+    num_query_groups: Optional[int] = None  # derived: heads unless --group-query-attention
+    kv_channels: Optional[int] = None  # derived: h / heads
+    seq_length: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    swiglu: bool = False
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    # --- vocabulary ---
+    vocab_size: Optional[int] = None
+    vocab_file: Optional[str] = None
+    tokenizer_type: Optional[str] = None
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: Optional[int] = None  # derived, like Megatron's _vocab_size_with_padding
+    # --- MoE ---
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # derived: ffn_hidden_size when MoE
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_layer_freq: Any = 1  # int N (one MoE layer every N) or an explicit 0/1 list per layer
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # derived: TP
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    # --- parallelism ---
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # derived (None = no interleaving)
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    overlap_p2p_comm: bool = True
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # --- batch ---
+    micro_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None  # derived: micro * DP when absent
+    # --- precision ---
+    bf16: bool = False
+    fp16: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False
+    # --- recompute ---
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_activations: bool = False
+    distribute_saved_activations: bool = False
+    # --- attention kernel ---
+    use_flash_attn: bool = False
+    transformer_impl: str = "transformer_engine"
+    attention_backend: str = "auto"
+    spec: Optional[list] = None
+    # --- optimizer ---
+    optimizer: str = "adam"
+    # --- torchrun ---
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    # --- derived / bookkeeping (not Megatron flags) ---
+    hf_config: Optional[str] = None
+    world_size: int = 1
+    data_parallel_size: int = 1
+    expert_data_parallel_size: int = 1
+    num_microbatches: int = 1
+    params_dtype: str = "fp32"  # fp32 | bf16 | fp16
+    attention_kernel: str = "flash"  # unfused (local spec / TE unfused) | flash (TE flash or fused, flash-attn)
+    ignored_args: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainingConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown TrainingConfig fields: {', '.join(unknown)}")
+        return cls(**values)
+
+    # Small conveniences the other estimator modules share.
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for a MoE layer, 0 for a dense one, per global layer index (megatron-core's moe_layer_freq rule)."""
+        if not self.is_moe:
+            return [0] * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
+        return list(self.moe_layer_freq)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flag table: flag -> (dest, kind, choices). Kinds: int, float, str, true (store_true), false (store_false),
+# list (nargs='*' strings), layer_freq (moe_freq_type).
+
+_CHOICES = {
+    "position_embedding_type": ["learned_absolute", "rope", "mrope", "relative", "none"],
+    "normalization": ["LayerNorm", "RMSNorm"],
+    "tokenizer_type": ["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                       "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                       "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"],
+    "moe_token_dispatcher_type": ["allgather", "alltoall", "flex"],
+    "recompute_granularity": ["full", "selective"],
+    "recompute_method": ["uniform", "block"],
+    "transformer_impl": ["local", "transformer_engine", "inference_optimized"],
+    "attention_backend": ["flash", "fused", "unfused", "local", "auto"],
+    "optimizer": ["adam", "sgd"],
+}
+
+_FLAGS: dict[str, tuple[str, str]] = {
+    "--num-layers": ("num_layers", "int"),
+    "--hidden-size": ("hidden_size", "int"),
+    "--ffn-hidden-size": ("ffn_hidden_size", "int"),
+    "--num-attention-heads": ("num_attention_heads", "int"),
+    "--group-query-attention": ("group_query_attention", "true"),
+    "--num-query-groups": ("num_query_groups", "int"),
+    "--kv-channels": ("kv_channels", "int"),
+    "--seq-length": ("seq_length", "int"),
+    "--max-position-embeddings": ("max_position_embeddings", "int"),
+    "--position-embedding-type": ("position_embedding_type", "str"),
+    "--use-rotary-position-embeddings": ("_use_rotary_position_embeddings", "true"),
+    "--no-position-embedding": ("_add_position_embedding", "false"),
+    "--rotary-percent": ("rotary_percent", "float"),
+    "--swiglu": ("swiglu", "true"),
+    "--normalization": ("normalization", "str"),
+    "--disable-bias-linear": ("add_bias_linear", "false"),
+    "--add-qkv-bias": ("add_qkv_bias", "true"),
+    "--qk-layernorm": ("qk_layernorm", "true"),
+    "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
+    "--hidden-dropout": ("hidden_dropout", "float"),
+    "--attention-dropout": ("attention_dropout", "float"),
+    "--vocab-size": ("vocab_size", "int"),
+    "--vocab-file": ("vocab_file", "str"),
+    "--tokenizer-type": ("tokenizer_type", "str"),
+    "--make-vocab-size-divisible-by": ("make_vocab_size_divisible_by", "int"),
+    "--num-experts": ("num_experts", "int"),
+    "--moe-router-topk": ("moe_router_topk", "int"),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", "int"),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int"),
+    "--moe-layer-freq": ("moe_layer_freq", "layer_freq"),
+    "--expert-model-parallel-size": ("expert_model_parallel_size", "int"),
+    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", "int"),
+    "--moe-grouped-gemm": ("moe_grouped_gemm", "true"),
+    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", "str"),
+    "--tensor-model-parallel-size": ("tensor_model_parallel_size", "int"),
+    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
+    "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
+    "--num-virtual-stages-per-pipeline-rank": ("num_virtual_stages_per_pipeline_rank", "int"),
+    # Older Megatron spelling of the same degree; kept because launch scripts still carry it.
+    "--virtual-pipeline-model-parallel-size": ("num_virtual_stages_per_pipeline_rank", "int"),
+    "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", "int"),
+    "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", "int"),
+    "--account-for-embedding-in-pipeline-split": ("account_for_embedding_in_pipeline_split", "true"),
+    "--account-for-loss-in-pipeline-split": ("account_for_loss_in_pipeline_split", "true"),
+    "--no-overlap-p2p-communication": ("overlap_p2p_comm", "false"),
+    "--context-parallel-size": ("context_parallel_size", "int"),
+    "--sequence-parallel": ("sequence_parallel", "true"),
+    "--use-distributed-optimizer": ("use_distributed_optimizer", "true"),
+    "--overlap-grad-reduce": ("overlap_grad_reduce", "true"),
+    "--overlap-param-gather": ("overlap_param_gather", "true"),
+    "--micro-batch-size": ("micro_batch_size", "int"),
+    "--global-batch-size": ("global_batch_size", "int"),
+    "--bf16": ("bf16", "true"),
+    "--fp16": ("fp16", "true"),
+    "--accumulate-allreduce-grads-in-fp32": ("accumulate_allreduce_grads_in_fp32", "true"),
+    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", "true"),
+    "--recompute-granularity": ("recompute_granularity", "str"),
+    "--recompute-method": ("recompute_method", "str"),
+    "--recompute-num-layers": ("recompute_num_layers", "int"),
+    "--recompute-activations": ("recompute_activations", "true"),
+    "--distribute-saved-activations": ("distribute_saved_activations", "true"),
+    "--use-flash-attn": ("use_flash_attn", "true"),
+    "--transformer-impl": ("transformer_impl", "str"),
+    "--attention-backend": ("attention_backend", "str"),
+    "--spec": ("spec", "list"),
+    "--optimizer": ("optimizer", "str"),
+    "--hf-config": ("hf_config", "str"),
+    # torchrun (both spellings torchrun accepts)
+    "--nproc_per_node": ("nproc_per_node", "nproc"),
+    "--nproc-per-node": ("nproc_per_node", "nproc"),
+    "--nnodes": ("nnodes", "nnodes"),
+    "--node_rank": ("node_rank", "int"),
+    "--node-rank": ("node_rank", "int"),
+    "--master_addr": ("master_addr", "str"),
+    "--master-addr": ("master_addr", "str"),
+    "--master_port": ("master_port", "int"),
+    "--master-port": ("master_port", "int"),
+}
+
+# Megatron flags removed long ago; Megatron refuses them with these messages.
+_REFUSED = {
+    "--batch-size": "--batch-size argument is no longer valid, use --micro-batch-size instead",
+    "--model-parallel-size": "--model-parallel-size is no longer valid, use --tensor-model-parallel-size instead",
+    "--checkpoint-activations": "--checkpoint-activations is no longer valid, use --recompute-activations, or, "
+                                "for more control, --recompute-granularity and --recompute-method.",
+}
+
+# Tokenizers whose vocabulary size is fixed by a file we cannot read offline.
+_GPT2_BPE_VOCAB = 50257
+
+
+def _convert(flag: str, kind: str, raw: str, dest: str) -> Any:
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "nproc":
+            return int(raw)
+        if kind == "nnodes":
+            # torchrun accepts "N" or an elastic range "MIN:MAX"; the largest size is the one to plan for.
+            return max(int(part) for part in raw.split(":"))
+        if kind == "layer_freq":
+            return _moe_freq(raw)
+    except (ValueError, SyntaxError):
+        expected = {"nproc": "int", "nnodes": "int or MIN:MAX", "layer_freq": "int or list pattern"}.get(kind, kind)
+        raise ConfigError(f"argument {flag}: invalid {expected} value: {raw!r}") from None
+    if dest in _CHOICES and raw not in _CHOICES[dest]:
+        choices = ", ".join(repr(c) for c in _CHOICES[dest])
+        raise ConfigError(f"argument {flag}: invalid choice: {raw!r} (choose from {choices})")
+    return raw
+
+
+def _moe_freq(raw: str) -> Any:
+    """Megatron's moe_freq_type: an int N, or a Python list expression such as "([1]*3+[0])*2"."""
+    if "[" not in raw:
+        return int(raw)
+    pattern = _eval_list_expression(ast.parse(raw, mode="eval").body)
+    if not all(v in (0, 1) for v in pattern):
+        raise ValueError(raw)
+    return pattern
+
+
+def _eval_list_expression(node: ast.AST) -> Any:
+    # Only list literals, ints, + and * : enough for Megatron's patterns, without eval().
+    if isinstance(node, ast.List):
+        return [_eval_list_expression(e) for e in node.elts]
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _eval_list_expression(node.left), _eval_list_expression(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError("unsupported pattern")
+
+
+def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Split argv into explicitly given {dest: value} and the ignored tokens (unknown flags with their values)."""
+    given: dict[str, Any] = {}
+    ignored: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        flag, eq, inline = token.partition("=") if token.startswith("--") else (token, "", "")
+        if flag in _REFUSED:
+            raise ConfigError(_REFUSED[flag])
+        if flag not in _FLAGS:
+            # Unknown flag (or stray positional such as "pretrain_gpt.py"): keep it and its values together.
+            ignored.append(token)
+            while not eq and token.startswith("--") and i < len(argv) and not argv[i].startswith("--"):
+                ignored.append(argv[i])
+                i += 1
+            continue
+        dest, kind = _FLAGS[flag]
+        if kind in ("true", "false"):
+            if eq:
+                raise ConfigError(f"argument {flag}: ignored explicit argument {inline!r}")
+            given[dest] = kind == "true"
+        elif kind == "list":
+            values = [inline] if eq else []
+            while not eq and i < len(argv) and not argv[i].startswith("--"):
+                values.append(argv[i])
+                i += 1
+            given[dest] = values
+        else:
+            if not eq:
+                if i >= len(argv) or (argv[i].startswith("--")):
+                    raise ConfigError(f"argument {flag}: expected one argument")
+                inline = argv[i]
+                i += 1
+            given[dest] = _convert(flag, kind, inline, dest)
+    return given, ignored
+
+
+def parse_args(argv: list[str]) -> TrainingConfig:
+    """Parse a `get_training_info.py $DISTRIBUTED_ARGS $GPT_ARGS ...` tail, derive Megatron's values, validate."""
+    given, ignored = _tokenize(list(argv))
+    cfg = TrainingConfig()
+    if "hf_config" in given:
+        # The HF file describes the model; flags given explicitly on the command line still win.
+        for dest, value in hf_config.load_model_fields(given["hf_config"], ConfigError).items():
+            setattr(cfg, dest, value)
+    use_rope = given.pop("_use_rotary_position_embeddings", False)
+    add_position_embedding = given.pop("_add_position_embedding", True)
+    for dest, value in given.items():
+        setattr(cfg, dest, value)
+    cfg.ignored_args = ignored
+    if use_rope:
+        cfg.position_embedding_type = "rope"
+    if not add_position_embedding and cfg.position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is deprecated, use --position-embedding-type")
+    derive(cfg)
+    validate(cfg)
+    return cfg
+
+
+def _require(cfg: TrainingConfig, dest: str) -> None:
+    if getattr(cfg, dest) is None:
+        flag = "--" + dest.replace("_", "-")
+        raise ConfigError(f"{dest} argument is None (pass {flag})")
+
+
+def derive(cfg: TrainingConfig) -> None:
+    """Fill Megatron's derived values in place (the parts of validate_args that set rather than check)."""
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                 "seq_length", "micro_batch_size"):
+        _require(cfg, dest)
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "nproc_per_node", "nnodes", "make_vocab_size_divisible_by"):
+        if getattr(cfg, dest) <= 0:
+            raise ConfigError(f"{dest} must be positive, got {getattr(cfg, dest)}")
+
+    cfg.world_size = cfg.nproc_per_node * cfg.nnodes
+    model_size = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.context_parallel_size
+    if cfg.world_size % model_size != 0:
+        raise ConfigError(f"world size ({cfg.world_size}) is not divisible by total_model_size "
+                          f"(total_model_size={model_size})")
+    cfg.data_parallel_size = cfg.world_size // model_size
+    if cfg.expert_tensor_parallel_size is None:
+        cfg.expert_tensor_parallel_size = cfg.tensor_model_parallel_size
+
+    if cfg.recompute_activations:
+        cfg.recompute_granularity = "selective"
+    if cfg.global_batch_size is None:
+        cfg.global_batch_size = cfg.micro_batch_size * cfg.data_parallel_size
+
+    if cfg.ffn_hidden_size is None:
+        if cfg.swiglu:
+            cfg.ffn_hidden_size = int((4 * cfg.hidden_size * 2 / 3) / 64) * 64
+        else:
+            cfg.ffn_hidden_size = 4 * cfg.hidden_size
+    if cfg.kv_channels is None:
+        if cfg.hidden_size % cfg.num_attention_heads != 0:
+            raise ConfigError(f"hidden_size ({cfg.hidden_size}) must be divisible by num_attention_heads "
+                              f"({cfg.num_attention_heads}) unless --kv-channels is given")
+        cfg.kv_channels = cfg.hidden_size // cfg.num_attention_heads
+    # Megatron passes num_query_groups to the model only with --group-query-attention; otherwise MHA.
+    if not cfg.group_query_attention or cfg.num_query_groups is None:
+        cfg.num_query_groups = cfg.num_attention_heads
+
+    if cfg.tensor_model_parallel_size == 1 and cfg.sequence_parallel:
+        cfg.warnings.append("Disabling sequence parallelism because tensor model parallelism is disabled")
+        cfg.sequence_parallel = False
+    if cfg.add_bias_linear:
+        cfg.add_qkv_bias = True  # Megatron keeps the two in sync: a bias everywhere includes QKV
+    if cfg.num_experts == 0:
+        cfg.num_experts = None
+    if cfg.num_experts is not None and cfg.moe_ffn_hidden_size is None:
+        cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
+
+    _derive_precision(cfg)
+    _derive_virtual_pipeline(cfg)
+    cfg.padded_vocab_size = _padded_vocab_size(cfg)
+    cfg.attention_kernel = _attention_kernel(cfg)
+
+    etp_ep_pp = cfg.expert_tensor_parallel_size * cfg.expert_model_parallel_size * cfg.pipeline_model_parallel_size
+    if cfg.world_size % etp_ep_pp != 0:
+        raise ConfigError(f"world_size ({cfg.world_size}) is not divisible by expert_tensor_model_pipeline_parallel "
+                          f"size ({etp_ep_pp})")
+    cfg.expert_data_parallel_size = cfg.world_size // etp_ep_pp
+    micro_times_dp = cfg.micro_batch_size * cfg.data_parallel_size
+    cfg.num_microbatches = max(1, cfg.global_batch_size // micro_times_dp)
+
+
+def _derive_precision(cfg: TrainingConfig) -> None:
+    if cfg.fp16 and cfg.bf16:
+        raise ConfigError(f"Only one of self.fp16: {cfg.fp16} and self.bf16 {cfg.bf16} should be True.")
+    cfg.params_dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+    if cfg.bf16:
+        # bf16 accumulates and all-reduces gradients in fp32 unless told to reduce in bf16.
+        cfg.accumulate_allreduce_grads_in_fp32 = not cfg.grad_reduce_in_bf16
+
+
+def _derive_virtual_pipeline(cfg: TrainingConfig) -> None:
+    if cfg.num_layers_per_virtual_pipeline_stage is not None and cfg.num_virtual_stages_per_pipeline_rank is not None:
+        raise ConfigError("No more than one of the following arguments can be set at the same time: "
+                          "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank")
+    pp = cfg.pipeline_model_parallel_size
+    uneven = cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None
+    num_layers = cfg.num_layers + int(cfg.account_for_embedding_in_pipeline_split) \
+        + int(cfg.account_for_loss_in_pipeline_split)
+    vpp = None
+    if cfg.num_layers_per_virtual_pipeline_stage is not None:
+        if uneven:
+            raise ConfigError("please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline "
+                              "parallel degree when enable uneven pipeline parallelism")
+        if num_layers % pp != 0:
+            raise ConfigError("number of layers of the model must be divisible pipeline model parallel size")
+        if (num_layers // pp) % cfg.num_layers_per_virtual_pipeline_stage != 0:
+            raise ConfigError("number of layers per pipeline stage must be divisible number of layers per "
+                              "virtual pipeline stage")
+        vpp = (num_layers // pp) // cfg.num_layers_per_virtual_pipeline_stage
+    elif cfg.num_virtual_stages_per_pipeline_rank is not None:
+        vpp = cfg.num_virtual_stages_per_pipeline_rank
+    elif not uneven and num_layers % pp != 0:
+        raise ConfigError("Number of layers should be divisible by the pipeline-model-parallel size")
+    cfg.virtual_pipeline_model_parallel_size = vpp if vpp != 1 else None
+    if cfg.virtual_pipeline_model_parallel_size is None:
+        cfg.overlap_p2p_comm = False  # Megatron: no p2p overlap without the interleaved schedule
+
+
+def _padded_vocab_size(cfg: TrainingConfig) -> int:
+    if cfg.tokenizer_type == "GPT2BPETokenizer" and cfg.vocab_size is None:
+        vocab = _GPT2_BPE_VOCAB
+    elif cfg.vocab_size is None:
+        which = f"--tokenizer-type {cfg.tokenizer_type}" if cfg.tokenizer_type else "no --tokenizer-type"
+        raise ConfigError(f"the vocabulary size is unknown with {which}: the tokenizer file cannot be read "
+                          "offline, pass --vocab-size N (or --hf-config config.json)")
+    elif cfg.tokenizer_type in ("NullTokenizer", "NullMultimodalTokenizer"):
+        vocab = cfg.vocab_size + 1  # Megatron's null tokenizer appends an EOD token
+    else:
+        vocab = cfg.vocab_size
+    multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def _attention_kernel(cfg: TrainingConfig) -> str:
+    local_spec = cfg.transformer_impl == "local" or bool(cfg.spec and cfg.spec[0] == "local")
+    if cfg.attention_backend == "local" and not local_spec:
+        raise ConfigError("--attention-backend local is only supported with --spec local")
+    if local_spec:
+        if cfg.use_flash_attn:
+            cfg.warnings.append("--use-flash-attn has no effect with the local spec: megatron-core's local "
+                                "DotProductAttention is used")
+        return "unfused"
+    # Transformer Engine: 'auto', 'flash' and 'fused' (cuDNN) keep only softmax statistics, like flash attention.
+    return "unfused" if cfg.attention_backend == "unfused" else "flash"
+
+
+def validate(cfg: TrainingConfig) -> None:
+    """Raise ConfigError with Megatron's own message for a combination Megatron would refuse."""
+    tp, pp, cp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size
+    model_size = tp * pp * cp
+    if cfg.world_size % model_size != 0:
+        raise ConfigError(f"world size ({cfg.world_size}) is not divisible by total_model_size "
+                          f"(total_model_size={model_size})")
+    micro_times_dp = cfg.micro_batch_size * cfg.data_parallel_size
+    if cfg.global_batch_size <= 0:
+        raise ConfigError("global_batch_size must be positive")
+    if cfg.global_batch_size % micro_times_dp != 0:
+        raise ConfigError(f"global batch size ({cfg.global_batch_size}) is not divisible by micro batch size "
+                          f"({cfg.micro_batch_size}) times data parallel size ({cfg.data_parallel_size})")
+    if cfg.num_attention_heads % tp != 0:
+        raise ConfigError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                          f"tensor_model_parallel_size ({tp}).")
+    groups = cfg.num_query_groups
+    if groups % tp != 0 and tp % groups != 0:
+        raise ConfigError(f"num_query_groups ({groups}) must be a multiple or divisor of "
+                          f"tensor_model_parallel_size ({tp}).")
+    if cfg.num_attention_heads % groups != 0:
+        raise ConfigError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                          f"num_query_groups ({groups}).")
+    if cfg.ffn_hidden_size % tp != 0:
+        raise ConfigError(f"ffn_hidden_size ({cfg.ffn_hidden_size}) is not divisible by "
+                          f"tensor_model_parallel_size ({tp})")
+    if cp > 1 and cfg.seq_length % (cp * 2) != 0:
+        raise ConfigError("seq-length should be a multiple of 2 * context-parallel-size if context-parallel-size > 1.")
+    if cfg.max_position_embeddings < cfg.seq_length:
+        raise ConfigError(f"max_position_embeddings ({cfg.max_position_embeddings}) must be greater than or "
+                          f"equal to seq_length ({cfg.seq_length}).")
+    if cfg.position_embedding_type in ("mrope", "relative"):
+        raise ConfigError(f"--position-embedding-type {cfg.position_embedding_type} is not modelled by the "
+                          "estimator (learned_absolute, rope, none)")
+    _validate_pipeline(cfg)
+    _validate_recompute(cfg)
+    _validate_moe(cfg)
+    if cfg.overlap_param_gather:
+        if not cfg.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")
+        if not cfg.overlap_grad_reduce:
+            raise ConfigError("Must use --overlap-param-gather with --overlap-grad-reduce")
+
+
+def _validate_pipeline(cfg: TrainingConfig) -> None:
+    pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    first, last = cfg.decoder_first_pipeline_num_layers, cfg.decoder_last_pipeline_num_layers
+    if vpp is not None:
+        if cfg.overlap_p2p_comm and pp <= 1:
+            raise ConfigError("When interleaved schedule is used, pipeline-model-parallel size should be greater "
+                              "than 1")
+        if not cfg.overlap_p2p_comm and pp <= 2:
+            raise ConfigError("When interleaved schedule is used and p2p communication overlap is disabled, "
+                              "pipeline-model-parallel size should be greater than 2 to avoid having multiple "
+                              "p2p sends and recvs between same 2 ranks per communication batch")
+    if first is None and last is None:
+        if vpp is not None and cfg.num_virtual_stages_per_pipeline_rank is not None:
+            num_layers = cfg.num_layers + int(cfg.account_for_embedding_in_pipeline_split) \
+                + int(cfg.account_for_loss_in_pipeline_split)
+            if num_layers % pp != 0 or (num_layers // pp) % vpp != 0:
+                raise ConfigError(f"num_layers_per_pipeline_rank {num_layers // pp} should be divisible by "
+                                  f"vp_size {vpp}")
+        return
+    if cfg.account_for_embedding_in_pipeline_split or cfg.account_for_loss_in_pipeline_split:
+        raise ConfigError("num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage cannot be "
+                          "set at the same time with account_for_embedding_in_pipeline_split and "
+                          "account_for_loss_in_pipeline_split")
+    middle_layers, middle_stages = cfg.num_layers, pp
+    for name, count in (("first", first), ("last", last)):
+        if count is None:
+            continue
+        if count <= 0:
+            raise ConfigError(f"num_layers_in_{name}_pipeline_stage must be larger than 0")
+        if vpp is not None and count % vpp != 0:
+            raise ConfigError(f"number of layers at {name} stage: {count} must be divisible by virtual pipeline "
+                              f"parallel degree {vpp}")
+        middle_layers -= count
+        middle_stages -= 1
+    if middle_stages < 0 or middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+        raise ConfigError(f"Mismatch: {middle_layers} middle layers remaining but {middle_stages} middle PP "
+                          "stages available.")
+    if middle_stages and middle_layers % middle_stages != 0:
+        raise ConfigError(f"number of layers at middle stage: {middle_layers} must be divisible by the middle "
+                          f"pipeline model parallel size {middle_stages}")
+    if middle_stages and vpp is not None and (middle_layers // middle_stages) % vpp != 0:
+        raise ConfigError(f"number of layers on each middle pipeline rank: {middle_layers // middle_stages} must "
+                          f"be divisible by virtual pipeline parallel degree {vpp}")
+
+
+def _validate_recompute(cfg: TrainingConfig) -> None:
+    if cfg.distribute_saved_activations:
+        if cfg.tensor_model_parallel_size <= 1:
+            raise ConfigError("can distribute recomputed activations only across tensor model parallel groups")
+        if cfg.recompute_granularity != "full":
+            raise ConfigError("distributed recompute activations is only application to full recompute "
+                              "granularity")
+        if cfg.recompute_method is None:
+            raise ConfigError("for distributed recompute activations to work you need to use a recompute method")
+    if cfg.recompute_granularity == "selective" and cfg.recompute_method is not None:
+        raise ConfigError("recompute method is not yet supported for selective recomputing granularity")
+    if cfg.recompute_granularity == "full":
+        if cfg.recompute_method is None:
+            raise ConfigError('Using recompute_granularity: full so recompute_method must be "block" or "uniform"')
+        if cfg.recompute_num_layers is None:
+            raise ConfigError("When using recompute_granularity: full recompute_num_layers must be between 1 and "
+                              f"num_layers_per_pipeline_rank: {cfg.num_layers // cfg.pipeline_model_parallel_size}")
+    if cfg.recompute_granularity == "selective" and cfg.recompute_num_layers is not None:
+        raise ConfigError("When using recompute_granularity: selective recompute_num_layers must be None.")
+
+
+def _validate_moe(cfg: TrainingConfig) -> None:
+    ep = cfg.expert_model_parallel_size
+    if ep > 1:
+        if cfg.num_experts is None:
+            raise ConfigError("num_experts must be non None to use expert model parallelism")
+        if cfg.num_experts % ep != 0:
+            raise ConfigError("Number of experts should be a multiple of expert model parallel_size.")
+    if not cfg.is_moe:
+        return
+    if cfg.moe_router_topk > cfg.num_experts:
+        raise ConfigError(f"moe_router_topk ({cfg.moe_router_topk}) must not exceed num_experts "
+                          f"({cfg.num_experts})")
+    if isinstance(cfg.moe_layer_freq, list) and len(cfg.moe_layer_freq) != cfg.num_layers:
+        raise ConfigError(f"Invalid length of moe_layer_pattern: {len(cfg.moe_layer_freq)}, expected "
+                          f"{cfg.num_layers}, current moe layer pattern: {cfg.moe_layer_freq}")
+    if isinstance(cfg.moe_layer_freq, int) and cfg.moe_layer_freq <= 0:
+        raise ConfigError(f"moe_layer_freq must be positive, got {cfg.moe_layer_freq}")
+    if cfg.moe_ffn_hidden_size % cfg.expert_tensor_parallel_size != 0:
+        raise ConfigError(f"moe_ffn_hidden_size ({cfg.moe_ffn_hidden_size}) is not divisible by "
+                          f"expert_tensor_parallel_size ({cfg.expert_tensor_parallel_size})")

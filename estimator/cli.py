@@ -1,0 +1,138 @@
+"""`get_training_info.py`: a Megatron command line in, a memory and communication report out.
+
+Imports no torch and no megatron. Errors in the input are one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from estimator import comm as C
+from estimator import formulas as F
+from estimator import memory as MEM
+from estimator import model as MODEL
+from estimator import parallel as PAR
+from estimator import report as R
+from estimator.args import ConfigError, TrainingConfig, parse_args
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+
+USAGE = """usage: get_training_info.py [torchrun flags] [Megatron-LM flags] [--preset NAME] [--hf-config config.json]
+                            [--formulas NAME|FILE] [--json] [--help]
+
+Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the same flags as
+`torchrun ... pretrain_gpt.py` (torchrun's --nproc_per_node/--nnodes give the world size); flags that do not
+change memory or communication are accepted and listed once as ignored.
+
+  --preset NAME        prepend a bundled model preset's flags (your flags after it win): {presets}
+  --hf-config FILE     take the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral, Qwen2, GPT-2)
+  --formulas NAME|FILE activation formula set: a shipped name ({sets}) or a formula-set JSON file
+  --json               print the estimate as JSON (bytes) instead of the text report
+"""
+
+
+@dataclass
+class Report:
+    """Everything the text and JSON renderers need, computed once."""
+    cfg: TrainingConfig
+    formula_set: F.FormulaSet
+    estimate: MEM.Estimate
+    layout: PAR.ParallelLayout
+    comm: C.CommReport
+    rank_params: list  # model.RankParams per pipeline stage (virtual stages merged)
+
+
+class UsageError(ConfigError):
+    pass
+
+
+def presets() -> list[str]:
+    if not os.path.isdir(PRESET_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
+
+
+def _preset_flags(name: str) -> list[str]:
+    path = os.path.join(PRESET_DIR, name + ".json")
+    if not os.path.isfile(path):
+        raise UsageError(f"unknown preset '{name}'; available: {', '.join(presets())}")
+    with open(path) as fh:
+        doc = json.load(fh)
+    return [str(x) for x in doc["args"]]
+
+
+def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
+    """Take this tool's own options out; everything else is a Megatron/torchrun flag."""
+    own = {"json": False, "formulas": None, "help": False}
+    rest: list[str] = []
+    preset_flags: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        key, eq, val = a.partition("=")
+        if a in ("-h", "--help"):
+            own["help"] = True
+        elif a == "--json":
+            own["json"] = True
+        elif key in ("--formulas", "--preset"):
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise UsageError(f"{key} needs a value")
+                i += 1
+                val = argv[i]
+            if key == "--formulas":
+                own["formulas"] = val
+            else:
+                preset_flags += _preset_flags(val)
+        else:
+            rest.append(a)
+        i += 1
+    return preset_flags + rest, own
+
+
+def _merged_stage_params(cfg: TrainingConfig) -> list:
+    vpp = MODEL.virtual_stages(cfg)
+    stages = []
+    for pp_rank in range(cfg.pipeline_model_parallel_size):
+        chunks = [MODEL.rank_params(cfg, pp_rank, vp if vpp > 1 else None) for vp in range(vpp)]
+        merged = MODEL.RankParams(pp_rank, None, [op for ch in chunks for op in ch.ops])
+        stages.append(merged)
+    return stages
+
+
+def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
+    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message."""
+    megatron_argv, own = split_own_options(argv)
+    cfg = parse_args(megatron_argv)
+    fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
+    est = MEM.estimate(cfg, fset)
+    layout = PAR.layout_from_config(cfg)
+    vpp = MODEL.virtual_stages(cfg)
+    chunks = {r: MEM.param_chunks(cfg, r, vpp) for r in range(cfg.pipeline_model_parallel_size)}
+    comm = C.communication(cfg, layout, chunks)
+    return Report(cfg, fset, est, layout, comm, _merged_stage_params(cfg))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        _, own = split_own_options(argv)
+        if own["help"]:
+            print(USAGE.format(presets=", ".join(presets()) or "none", sets=", ".join(F.shipped_sets())))
+            return 0
+        report = build_report(argv)
+    except (ConfigError, F.FormulaError, PAR.ParallelConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    if own["json"]:
+        json.dump(R.to_json(report), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(R.to_text(report))
+    return 0

@@ -1,0 +1,339 @@
+"""Communication per parallel dimension: every collective of one training iteration, per rank class.
+
+What megatron-core 0.16.1 issues (verified against real gloo runs in tests/test_comm_measured.py for TP, TP+SP, PP
+and DP with and without the distributed optimizer; CP and EP rows are modelled):
+- TP, no SP: all-reduce of [s/cp, b, h] twice per layer forward (row-parallel outputs) and twice backward
+  (column-parallel input grads); the vocab-parallel embedding all-reduces its output; the output layer all-reduces
+  its input grad; vocab-parallel cross-entropy all-reduces three fp32 [s/cp, b] tensors.
+- TP + SP: per layer forward 2 all-gathers + 2 reduce-scatters, backward 4 all-gathers (input re-gather for the
+  weight grad, and the reduce-scatters' backward) + 2 reduce-scatters; the embedding still all-reduces [b, s, h]
+  (then splits) and all-gathers in backward; the output layer all-gathers forward and backward and reduce-scatters
+  its input grad; after backward, one all-reduce of the grads of TP-replicated params (norms, row-parallel biases).
+- PP: per microbatch, send of activations [s/cp/(t if SP), b, h] forward and of their grads backward.
+- DP: megatron DDP's grad buffer per bucket (grad dtype; padded under the distributed optimizer): all-reduce, or
+  reduce-scatter + all-gather of the param buffer (param dtype) with the distributed optimizer.
+- Embedding group: all-reduce of the tied word-embedding grad [v/t, h] between first and last stage.
+- Optimizer: one fp32 scalar all-reduce for the grad norm (model-parallel group; whole world with dist-opt).
+Message bytes for all-gather / reduce-scatter are the full (gathered) tensor; wire bytes per rank use ring factors:
+all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, send = message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from estimator.parallel import ParallelLayout, layout_from_config
+from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, precision
+
+
+def _g(cfg: Any, name: str, default: Any = None) -> Any:
+    v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+    return default if v is None else v
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Bytes each rank sends per message byte, for ring algorithms (NCCL's bus-bandwidth convention)."""
+    if n <= 1:
+        return 0.0
+    if op == "all-reduce":
+        return 2 * (n - 1) / n
+    if op in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n
+    return 1.0  # send-recv: the message itself
+
+
+@dataclass
+class Collective:
+    dim: str                 # tp | pp | dp | cp | ep | embedding | optimizer
+    op: str                  # all-reduce | all-gather | reduce-scatter | send-recv | all-to-all
+    what: str                # which tensor and where in the step
+    group: str               # key into ParallelLayout.groups
+    group_size: int
+    groups: list             # the groups of that kind that run it (global ranks)
+    ranks: list              # global ranks that issue it (a rank class)
+    shape: tuple
+    dtype: str
+    bytes: int               # one message (full tensor for all-gather / reduce-scatter)
+    per_microbatch: int      # calls per microbatch on one rank (0 = once per iteration)
+    per_iteration: int       # calls per iteration on one rank
+    phase: str = "fwd"       # fwd | bwd | step | recompute
+    modelled: bool = False   # True: not checked against a measured run
+    direction: str = ""      # send-recv only: "send" or "recv" (the receiver puts nothing on the wire)
+
+    @property
+    def wire_bytes_per_call(self) -> int:
+        if self.op == "send-recv" and self.direction == "recv":
+            return 0
+        return int(round(self.bytes * ring_factor(self.op, self.group_size)))
+
+    @property
+    def wire_bytes_per_iteration(self) -> int:
+        return self.wire_bytes_per_call * self.per_iteration
+
+    @property
+    def cluster_bytes_per_iteration(self) -> int:
+        return self.wire_bytes_per_iteration * len(self.ranks)
+
+    def measured_ops(self) -> list:
+        """torch.distributed op names this row stands for (used by the measured test)."""
+        return [self.direction] if self.op == "send-recv" else [self.op]
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["shape"] = list(self.shape)
+        d.update(wire_bytes_per_call=self.wire_bytes_per_call, wire_bytes_per_iteration=self.wire_bytes_per_iteration,
+                 cluster_bytes_per_iteration=self.cluster_bytes_per_iteration)
+        return d
+
+
+@dataclass
+class CommReport:
+    collectives: list
+    layout: ParallelLayout
+    notes: list = field(default_factory=list)
+
+    def per_rank_bytes(self) -> dict:
+        """Wire bytes per iteration sent by each global rank, by dimension."""
+        out = {r: {} for r in range(self.layout.world_size)}
+        for c in self.collectives:
+            for r in c.ranks:
+                out[r][c.dim] = out[r].get(c.dim, 0) + c.wire_bytes_per_iteration
+        return out
+
+    def summary(self) -> dict:
+        """Per dimension: calls per iteration (max over ranks), max wire bytes per rank, cluster total."""
+        per_rank = self.per_rank_bytes()
+        dims: dict = {}
+        for c in self.collectives:
+            d = dims.setdefault(c.dim, {"ops": [], "calls_per_iteration": {}, "cluster_bytes_per_iteration": 0,
+                                        "modelled": False})
+            if c.op not in d["ops"]:
+                d["ops"].append(c.op)
+            d["cluster_bytes_per_iteration"] += c.cluster_bytes_per_iteration
+            d["modelled"] = d["modelled"] or c.modelled
+            for r in c.ranks:
+                d["calls_per_iteration"][r] = d["calls_per_iteration"].get(r, 0) + c.per_iteration
+        for dim, d in dims.items():
+            d["calls_per_iteration"] = max(d["calls_per_iteration"].values(), default=0)
+            d["max_rank_bytes_per_iteration"] = max((b.get(dim, 0) for b in per_rank.values()), default=0)
+        return dims
+
+    def to_dict(self) -> dict:
+        return {"order": self.layout.order,
+                "groups": {k: [list(g) for g in v] for k, v in self.layout.groups.items()},
+                "summary": self.summary(),
+                "per_rank_bytes_per_iteration": {str(r): b for r, b in self.per_rank_bytes().items()},
+                "collectives": [c.to_dict() for c in self.collectives], "notes": list(self.notes)}
+
+
+def layers_per_stage(cfg: Any) -> list:
+    """Decoder layers on each PP rank (all virtual chunks together), megatron's uneven first/last split."""
+    pp, n = _g(cfg, "pipeline_model_parallel_size", 1), _g(cfg, "num_layers", 1)
+    first, last = _g(cfg, "decoder_first_pipeline_num_layers"), _g(cfg, "decoder_last_pipeline_num_layers")
+    if pp == 1:
+        return [n]
+    fixed = {0: first, pp - 1: last}
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    rest = n - sum(fixed.values())
+    middle = pp - len(fixed)
+    each = rest // middle if middle else 0
+    return [fixed.get(p, each) for p in range(pp)]
+
+
+def _tp_replicated_elements(cfg: Any, layers: int, last: bool) -> int:
+    """Grad elements all-reduced over TP after backward: params tagged sequence_parallel (norms, row-parallel
+    biases) with SP, plus qk-layernorm weights. Dense layers only; MoE expert biases are not included (modelled)."""
+    h = _g(cfg, "hidden_size")
+    norm = h * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
+    n = 0
+    if _g(cfg, "sequence_parallel", False):
+        bias = h if _g(cfg, "add_bias_linear", True) else 0
+        n += layers * (2 * norm + 2 * bias) + (norm if last else 0)
+    if _g(cfg, "qk_layernorm", False):
+        d = _g(cfg, "kv_channels") or h // _g(cfg, "num_attention_heads")
+        n += layers * 2 * d * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
+    return n
+
+
+def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
+                  chunks_by_stage: Optional[dict] = None) -> CommReport:
+    """All collectives of one iteration. `chunks_by_stage[pp_rank]` = that stage's model chunks, each a list of
+    ParamInfo in named_parameters order (from estimator.model); without it DP buffer rows are left out."""
+    lay = layout or layout_from_config(cfg)
+    t, pp, cp, ep = lay.tp, lay.pp, lay.cp, lay.ep
+    sp = bool(_g(cfg, "sequence_parallel", False)) and t > 1
+    s, b, h = _g(cfg, "seq_length") // cp, _g(cfg, "micro_batch_size", 1), _g(cfg, "hidden_size")
+    m = _g(cfg, "num_microbatches", 1)
+    vpp = _g(cfg, "virtual_pipeline_model_parallel_size", 1) or 1
+    pdt, gdt = precision(cfg)
+    e, eg = DTYPE_BYTES[pdt], DTYPE_BYTES[gdt]
+    tied = not _g(cfg, "untie_embeddings_and_output_weights", False)
+    layers = layers_per_stage(cfg)
+    stage_ranks = {p: [r.rank for r in lay.ranks if r.pp == p] for p in range(pp)}
+    rows: list = []
+    notes: list = []
+
+    def add(dim, op, what, group, shape, dtype, per_mb, stages, phase, per_iter=None, modelled=False, direction=""):
+        nbytes = DTYPE_BYTES.get(dtype, 4)
+        for x in shape:
+            nbytes *= x
+        ranks = sorted(r for p in stages for r in stage_ranks[p])
+        if not ranks or per_mb == 0 and not per_iter:
+            return
+        groups = [g for g in lay.groups[group] if set(g) & set(ranks)]
+        size = len(groups[0]) if groups else 1
+        if size <= 1:
+            return  # a group of one moves nothing
+        rows.append(Collective(dim=dim, op=op, what=what, group=group, group_size=size, groups=groups, ranks=ranks,
+                               shape=tuple(shape), dtype=dtype, bytes=nbytes, per_microbatch=per_mb,
+                               per_iteration=per_iter if per_iter is not None else per_mb * m, phase=phase,
+                               modelled=modelled, direction=direction))
+
+    full_act, first, last = (s, b, h), [0], [pp - 1]
+    recompute_full = _g(cfg, "recompute_granularity") == "full"
+    for p in range(pp):
+        L = layers[p]
+        # Full recompute replays each recomputed layer's forward (and its TP collectives) during backward.
+        rec = 0
+        if recompute_full:
+            rec = min(_g(cfg, "recompute_num_layers", 1), L) if _g(cfg, "recompute_method") == "block" else L
+        if t > 1 and L:
+            if not sp:
+                add("tp", "all-reduce", "layer outputs (attention proj, MLP fc2)", "tp", full_act, pdt, 2 * L, [p], "fwd")
+                add("tp", "all-reduce", "layer input grads (qkv, fc1)", "tp", full_act, pdt, 2 * L, [p], "bwd")
+                add("tp", "all-reduce", "recomputed layer outputs", "tp", full_act, pdt, 2 * rec, [p], "recompute",
+                    modelled=True)
+            else:
+                add("tp", "all-gather", "layer inputs (qkv, fc1)", "tp", full_act, pdt, 2 * L, [p], "fwd")
+                add("tp", "reduce-scatter", "layer outputs (attention proj, MLP fc2)", "tp", full_act, pdt, 2 * L,
+                    [p], "fwd")
+                add("tp", "all-gather", "input re-gather for weight grads + output grads", "tp", full_act, pdt, 4 * L,
+                    [p], "bwd")
+                add("tp", "reduce-scatter", "layer input grads (qkv, fc1)", "tp", full_act, pdt, 2 * L, [p], "bwd")
+                add("tp", "all-gather", "recomputed layer inputs", "tp", full_act, pdt, 2 * rec, [p], "recompute",
+                    modelled=True)
+                add("tp", "reduce-scatter", "recomputed layer outputs", "tp", full_act, pdt, 2 * rec, [p],
+                    "recompute", modelled=True)
+        sp_elems = _tp_replicated_elements(cfg, L, p == pp - 1) if t > 1 else 0
+        if sp_elems:
+            add("tp", "all-reduce", "grads of TP-replicated params (norms, row-parallel biases)", "tp", (sp_elems,),
+                gdt, 0, [p], "step", per_iter=1)
+    if t > 1:
+        add("tp", "all-reduce", "word embedding output", "tp", (b, s, h), pdt, 1, first, "fwd")
+        if sp:
+            add("tp", "all-gather", "embedding grad (sequence scatter backward)", "tp", full_act, pdt, 1, first,
+                "bwd")
+            add("tp", "all-gather", "output layer input", "tp", full_act, pdt, 1, last, "fwd")
+            add("tp", "all-gather", "output layer input re-gather for weight grad", "tp", full_act, pdt, 1, last,
+                "bwd")
+            add("tp", "reduce-scatter", "output layer input grad", "tp", full_act, pdt, 1, last, "bwd")
+        else:
+            add("tp", "all-reduce", "output layer input grad", "tp", full_act, pdt, 1, last, "bwd")
+        add("tp", "all-reduce", "vocab-parallel cross-entropy (max, target logit, sum exp)", "tp", (s, b), "fp32", 3,
+            last, "fwd")
+
+    if pp > 1:
+        act = (s // t if sp else s, b, h)
+        # Interleaving: each of the vpp chunks sends once per microbatch, except the model's last chunk (fwd)
+        # and first chunk (bwd).
+        for p in range(pp):
+            fwd_sends = m * vpp - (m if p == pp - 1 else 0)
+            fwd_recvs = m * vpp - (m if p == 0 else 0)
+            for what, n_send, n_recv, phase in (("activations", fwd_sends, fwd_recvs, "fwd"),
+                                                ("activation grads", fwd_recvs, fwd_sends, "bwd")):
+                add("pp", "send-recv", f"{what} to next/prev stage", "pp", act, pdt, 0, [p], phase,
+                    per_iter=n_send, direction="send", modelled=vpp > 1)
+                add("pp", "send-recv", f"{what} from prev/next stage", "pp", act, pdt, 0, [p], phase,
+                    per_iter=n_recv, direction="recv", modelled=vpp > 1)
+        if tied:
+            v = _g(cfg, "padded_vocab_size") or _g(cfg, "vocab_size")
+            add("embedding", "all-reduce", "tied word-embedding grad (first and last stage)", "embedding",
+                (v // t, h), gdt, 0, [0, pp - 1], "step", per_iter=1)
+
+    if cp > 1:
+        g = _g(cfg, "num_query_groups") or _g(cfg, "num_attention_heads")
+        d = _g(cfg, "kv_channels") or h // _g(cfg, "num_attention_heads")
+        kv = (2, s, b, (g // t if g >= t else 1) * d)
+        for p in range(pp):
+            add("cp", "send-recv", "ring attention K,V blocks", "cp", kv, pdt, (cp - 1) * layers[p], [p], "fwd",
+                modelled=True, direction="send")
+            add("cp", "send-recv", "ring attention K,V blocks + dK,dV", "cp", (2,) + kv, pdt, (cp - 1) * layers[p],
+                [p], "bwd", modelled=True, direction="send")
+        notes.append("CP: ring exchange of K/V (TE/flash attention) is modelled; not measurable on CPU.")
+
+    num_experts = _g(cfg, "num_experts")
+    if num_experts and (ep > 1 or lay.etp > 1):
+        k = _g(cfg, "moe_router_topk", 2)
+        moe_layers = _moe_layers_per_stage(cfg, layers)
+        tokens = s * b // (t if sp else 1)
+        disp = _g(cfg, "moe_token_dispatcher_type", "allgather")
+        for p in range(pp):
+            n = moe_layers[p]
+            if disp == "alltoall" and ep > 1:
+                add("ep", "all-to-all", "token dispatch + combine (top-k copies)", "ep", (tokens * k, h), pdt, 2 * n,
+                    [p], "fwd", modelled=True)
+                add("ep", "all-to-all", "dispatch + combine grads", "ep", (tokens * k, h), pdt, 2 * n, [p], "bwd",
+                    modelled=True)
+            else:
+                gsz = len(lay.groups["expert-tp-ep"][0])
+                add("ep", "all-gather", "tokens to all experts (allgather dispatcher)", "expert-tp-ep",
+                    (tokens * gsz, h), pdt, n, [p], "fwd", modelled=True)
+                add("ep", "reduce-scatter", "combine expert outputs", "expert-tp-ep", (tokens * gsz, h), pdt, n, [p],
+                    "fwd", modelled=True)
+                add("ep", "all-gather", "combine grads", "expert-tp-ep", (tokens * gsz, h), pdt, n, [p], "bwd",
+                    modelled=True)
+                add("ep", "reduce-scatter", "token grads", "expert-tp-ep", (tokens * gsz, h), pdt, n, [p], "bwd",
+                    modelled=True)
+        notes.append("EP: token dispatch volumes assume balanced routing; routing metadata collectives are small "
+                     "and not listed (modelled).")
+
+    if chunks_by_stage is not None:
+        _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt)
+    else:
+        notes.append("DP: per-rank parameter lists not given; gradient-buffer collectives left out.")
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    # The distributed optimizer's shards span DP, so its grad norm is reduced over the whole world.
+    add("optimizer", "all-reduce", "grad-norm (fp32 scalar)", "world" if dist_opt else "tp-pp",
+        (1,), "fp32", 0, list(range(pp)), "step", per_iter=1)
+    return CommReport(collectives=rows, layout=lay, notes=notes)
+
+
+def _moe_layers_per_stage(cfg: Any, layers: Sequence[int]) -> list:
+    freq = _g(cfg, "moe_layer_freq", 1)
+    n = sum(layers)
+    pattern = list(freq) if isinstance(freq, (list, tuple)) else [1 if i % freq == 0 else 0 for i in range(n)]
+    out, i = [], 0
+    for L in layers:
+        out.append(sum(pattern[i:i + L]))
+        i += L
+    return out
+
+
+def _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt) -> None:
+    """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers."""
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    overlap = bool(_g(cfg, "overlap_grad_reduce", False))
+    for p, chunks in chunks_by_stage.items():
+        for ci, chunk in enumerate(chunks):
+            for expert, group, size in ((False, "dp-cp", lay.dp * lay.cp), (True, "expert-dp", lay.edp)):
+                params = [q for q in chunk if bool(q.expert) == expert]
+                if not params:
+                    continue
+                # bucket_size: max(40M, 1M x dp) when overlapping, only on the first stage's first chunk.
+                bucket = max(40_000_000, 1_000_000 * lay.dp) if overlap and p == 0 and ci == 0 else None
+                bl = buffer_layout([q.numel for q in params], [q.shared_embedding for q in params], size, dist_opt,
+                                   bucket)
+                kind = "expert " if expert else ""
+                for (b0, b1) in bl.buckets:
+                    if dist_opt:
+                        add("dp", "reduce-scatter", f"{kind}grad bucket (chunk {ci})", group, (b1 - b0,), gdt, 0, [p],
+                            "step", per_iter=1)
+                        add("dp", "all-gather", f"{kind}param bucket after step (chunk {ci})", group, (b1 - b0,), pdt,
+                            0, [p], "step", per_iter=1)
+                    else:
+                        add("dp", "all-reduce", f"{kind}grad bucket (chunk {ci})", group, (b1 - b0,), gdt, 0, [p],
+                            "step", per_iter=1)
+
+
+__all__ = ["Collective", "CommReport", "communication", "ring_factor", "layers_per_stage", "ParamInfo"]

@@ -1,0 +1,321 @@
+"""Formula sets: per-op activation formulas (docs/FORMATS.md section 4).
+
+A formula set maps (op, switches) to three byte counts: `saved` (held until the op's backward),
+`fwd_peak` and `bwd_peak` (transient above the level at op entry). Coefficients are exact rationals
+(fractions.Fraction) so a fitted set round-trips without float drift; evaluation is compiled to plain
+float products once per (set, config) so thousands of estimates per second stay cheap.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+FORMAT = "megatron-memtrace-formulas"
+VERSION = 1
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "formula_sets")
+DEFAULT_SET = "modelled"
+
+VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
+             "t", "st", "cp", "ep", "etp", "e")
+# Allowed values per switch; `gqa` is an extension (a > g changes what unfused attention saves).
+SWITCHES: Dict[str, Tuple[Any, ...]] = {
+    "attention": ("unfused", "flash"),
+    "sp": (True, False),
+    "recompute": ("none", "selective", "full"),
+    "activation": ("gelu", "swiglu"),
+    "dtype": ("fp32", "bf16", "fp16"),
+    "position": ("learned_absolute", "rope", "none"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "moe": (True, False),
+    "dropout": (True, False),
+    "gqa": (True, False),
+}
+QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
+PER = ("layer", "model")
+
+
+class FormulaError(ValueError):
+    """A malformed formula-set file or a config no formula covers; the message names where."""
+
+
+@dataclass(frozen=True)
+class Term:
+    coef: Fraction
+    vars: Tuple[Tuple[str, int], ...]
+
+    def value(self, env: Mapping[str, float]) -> float:
+        x = float(self.coef)
+        for name, exp in self.vars:
+            x *= env[name] ** exp
+        return x
+
+
+@dataclass(frozen=True)
+class Formula:
+    op: str
+    per: str
+    when: Tuple[Tuple[str, Any], ...]
+    saved: Tuple[Term, ...]
+    fwd_peak: Tuple[Term, ...]
+    bwd_peak: Tuple[Term, ...]
+
+    def matches(self, sw: Mapping[str, Any]) -> bool:
+        return all(sw.get(k) == v for k, v in self.when)
+
+    def evaluate(self, env: Mapping[str, float]) -> Tuple[float, float, float]:
+        """(saved, fwd_peak, bwd_peak) in bytes."""
+        return tuple(sum(t.value(env) for t in terms)
+                     for terms in (self.saved, self.fwd_peak, self.bwd_peak))
+
+
+@dataclass
+class FormulaSet:
+    name: str
+    kind: str
+    description: str
+    provenance: Dict[str, Any]
+    formulas: List[Formula]
+    path: Optional[str] = None
+    _by_op: Dict[str, List[Formula]] = field(default_factory=dict, repr=False)
+    _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for fo in self.formulas:
+            self._by_op.setdefault(fo.op, []).append(fo)
+        # Most specific first, stable for ties (file order).
+        for lst in self._by_op.values():
+            lst.sort(key=lambda fo: -len(fo.when))
+
+    @property
+    def ops(self) -> List[str]:
+        return list(self._by_op)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.kind})"
+
+
+# ---------------------------------------------------------------- parsing / validation
+
+def _coef(raw: Any, where: str) -> Fraction:
+    if isinstance(raw, bool):
+        raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {raw!r}")
+    try:
+        if isinstance(raw, str):
+            return Fraction(raw.strip())
+        if isinstance(raw, int):
+            return Fraction(raw)
+        if isinstance(raw, float):
+            # Floats in a file are snapped to the nearest small rational (fits write 'p/q' anyway).
+            return Fraction(raw).limit_denominator(1 << 20)
+    except (ValueError, ZeroDivisionError):
+        pass
+    raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {raw!r}")
+
+
+def _terms(raw: Any, where: str) -> Tuple[Term, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise FormulaError(f"{where}: expected a list of terms")
+    out = []
+    for i, t in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(t, dict) or "coef" not in t:
+            raise FormulaError(f"{w}: a term is {{'coef': ..., 'vars': {{var: exponent}}}}")
+        extra = set(t) - {"coef", "vars"}
+        if extra:
+            raise FormulaError(f"{w}: unknown keys {sorted(extra)}")
+        vs = t.get("vars", {}) or {}
+        if not isinstance(vs, dict):
+            raise FormulaError(f"{w}: vars must be an object")
+        pairs = []
+        for name, exp in vs.items():
+            if name not in VARIABLES:
+                raise FormulaError(f"{w}: unknown variable {name!r} (known: {', '.join(VARIABLES)})")
+            if isinstance(exp, bool) or not isinstance(exp, int):
+                raise FormulaError(f"{w}: exponent of {name!r} must be an integer, got {exp!r}")
+            if exp:
+                pairs.append((name, exp))
+        out.append(Term(_coef(t["coef"], w), tuple(sorted(pairs))))
+    return tuple(out)
+
+
+def _when(raw: Any, where: str) -> Tuple[Tuple[str, Any], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise FormulaError(f"{where}: 'when' must be an object")
+    for k, v in raw.items():
+        if k not in SWITCHES:
+            raise FormulaError(f"{where}: unknown switch {k!r} (known: {', '.join(SWITCHES)})")
+        if v not in SWITCHES[k] or isinstance(v, bool) != isinstance(SWITCHES[k][0], bool):
+            raise FormulaError(f"{where}: switch {k!r} has value {v!r}; allowed {list(SWITCHES[k])}")
+    return tuple(sorted(raw.items()))
+
+
+def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
+    src = path or "<formula set>"
+    if not isinstance(doc, dict):
+        raise FormulaError(f"{src}: top level must be a JSON object")
+    if doc.get("format") != FORMAT:
+        raise FormulaError(f"{src}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
+    if doc.get("version") != VERSION:
+        raise FormulaError(f"{src}: unsupported version {doc.get('version')!r} (this estimator reads {VERSION})")
+    kind = doc.get("kind")
+    if kind not in ("modelled", "fitted"):
+        raise FormulaError(f"{src}: 'kind' must be 'modelled' or 'fitted', got {kind!r}")
+    if not isinstance(doc.get("name"), str) or not doc["name"]:
+        raise FormulaError(f"{src}: 'name' must be a non-empty string")
+    raw = doc.get("formulas")
+    if not isinstance(raw, list) or not raw:
+        raise FormulaError(f"{src}: 'formulas' must be a non-empty list")
+    formulas, seen = [], set()
+    for i, fo in enumerate(raw):
+        w = f"{src}: formulas[{i}]"
+        if not isinstance(fo, dict):
+            raise FormulaError(f"{w}: must be an object")
+        extra = set(fo) - {"op", "per", "when", "note", *QUANTITIES}
+        if extra:
+            raise FormulaError(f"{w}: unknown keys {sorted(extra)}")
+        op = fo.get("op")
+        if not isinstance(op, str) or not op:
+            raise FormulaError(f"{w}: 'op' must be a non-empty string")
+        w = f"{w} (op {op!r})"
+        per = fo.get("per")
+        if per not in PER:
+            raise FormulaError(f"{w}: 'per' must be 'layer' or 'model', got {per!r}")
+        when = _when(fo.get("when"), w)
+        if (op, when) in seen:
+            raise FormulaError(f"{w}: duplicate formula for the same op and 'when'")
+        seen.add((op, when))
+        formulas.append(Formula(op, per, when, *(_terms(fo.get(q), f"{w}.{q}") for q in QUANTITIES)))
+    prov = doc.get("provenance", {})
+    if not isinstance(prov, dict):
+        raise FormulaError(f"{src}: 'provenance' must be an object")
+    return FormulaSet(doc["name"], kind, str(doc.get("description", "")), prov, formulas, path)
+
+
+def resolve(name_or_path: str) -> str:
+    """A shipped set's name ('modelled') or a file path -> the file path."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    cand = os.path.join(SHIPPED_DIR, name_or_path + ("" if name_or_path.endswith(".json") else ".json"))
+    if os.path.isfile(cand):
+        return cand
+    shipped = sorted(f[:-5] for f in os.listdir(SHIPPED_DIR) if f.endswith(".json")) if os.path.isdir(SHIPPED_DIR) else []
+    raise FormulaError(f"formula set {name_or_path!r}: no such file and not a shipped set "
+                       f"(shipped: {', '.join(shipped) or 'none'})")
+
+
+_LOADED: Dict[Tuple[str, float], FormulaSet] = {}
+
+
+def load(name_or_path: str = DEFAULT_SET) -> FormulaSet:
+    path = resolve(name_or_path)
+    key = (os.path.abspath(path), os.path.getmtime(path))
+    if key not in _LOADED:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise FormulaError(f"{path}: not valid JSON: {exc}") from None
+        except OSError as exc:
+            raise FormulaError(f"{path}: cannot read: {exc}") from None
+        _LOADED[key] = from_dict(doc, path)
+    return _LOADED[key]
+
+
+# ---------------------------------------------------------------- config -> variables / switches
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+    return default if v is None else v
+
+
+def dtype_of(cfg: Any) -> str:
+    return "bf16" if _get(cfg, "bf16", False) else "fp16" if _get(cfg, "fp16", False) else "fp32"
+
+
+def variables(cfg: Any) -> Dict[str, float]:
+    """The per-rank variables of FORMATS 4 (plain numbers) for one config."""
+    h = _get(cfg, "hidden_size")
+    a = _get(cfg, "num_attention_heads")
+    t = _get(cfg, "tensor_model_parallel_size", 1)
+    cp = _get(cfg, "context_parallel_size", 1)
+    f = _get(cfg, "ffn_hidden_size", 4 * h)
+    E = _get(cfg, "num_experts", 0)
+    return {
+        "s": _get(cfg, "seq_length") / cp,
+        "b": _get(cfg, "micro_batch_size", 1),
+        "h": h, "f": f, "a": a,
+        "g": _get(cfg, "num_query_groups", a) if _get(cfg, "group_query_attention", True) else a,
+        "d": _get(cfg, "kv_channels", h // a),
+        "v": _get(cfg, "padded_vocab_size", _get(cfg, "vocab_size", 0)),
+        "E": E, "k": _get(cfg, "moe_router_topk", 2 if E else 0),
+        "fe": _get(cfg, "moe_ffn_hidden_size", f),
+        "fs": _get(cfg, "moe_shared_expert_intermediate_size", 0),
+        "t": t, "st": t if _get(cfg, "sequence_parallel", False) else 1, "cp": cp,
+        "ep": _get(cfg, "expert_model_parallel_size", 1),
+        "etp": _get(cfg, "expert_tensor_parallel_size", t),
+        "e": 4 if dtype_of(cfg) == "fp32" else 2,
+    }
+
+
+def attention_kernel(cfg: Any) -> str:
+    """'flash' for TE / flash-attn, 'unfused' for the local spec (and the unfused backend)."""
+    if _get(cfg, "attention_kernel", None) in SWITCHES["attention"]:
+        return _get(cfg, "attention_kernel")  # estimator.args derives it with Megatron's own rules
+    impl = _get(cfg, "transformer_impl", "transformer_engine")
+    backend = str(_get(cfg, "attention_backend", "auto")).split(".")[-1]
+    if backend in ("unfused", "local"):
+        return "unfused"
+    if _get(cfg, "use_flash_attn", False) or impl == "transformer_engine":
+        return "flash"
+    return "unfused"
+
+
+def switches(cfg: Any) -> Dict[str, Any]:
+    rg = _get(cfg, "recompute_granularity", None)
+    if _get(cfg, "recompute_activations", False) and not rg:
+        rg = "selective"
+    pos = _get(cfg, "position_embedding_type", "learned_absolute")
+    v = variables(cfg)
+    return {
+        "attention": attention_kernel(cfg),
+        "sp": bool(_get(cfg, "sequence_parallel", False)),
+        "recompute": rg if rg in ("selective", "full") else "none",
+        "activation": "swiglu" if _get(cfg, "swiglu", False) else "gelu",
+        "dtype": dtype_of(cfg),
+        "position": "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none",
+        "normalization": "RMSNorm" if _get(cfg, "normalization", "LayerNorm") == "RMSNorm" else "LayerNorm",
+        "moe": bool(v["E"]),
+        "dropout": bool(_get(cfg, "hidden_dropout", 0.1) or _get(cfg, "attention_dropout", 0.1)),
+        "gqa": v["g"] != v["a"],
+    }
+
+
+# ---------------------------------------------------------------- selection / evaluation
+
+def select(fset: FormulaSet, op: str, sw: Any) -> Optional[Formula]:
+    """The matching formula for `op` with the most `when` keys (first in file order on ties).
+    `sw` is a switch dict or a config. None when the set has no formula for the op/switches."""
+    if not isinstance(sw, dict) or "attention" not in sw:
+        sw = switches(sw)
+    for fo in fset._by_op.get(op, ()):
+        if fo.matches(sw):
+            return fo
+    return None
+
+
+def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] = None,
+             env: Optional[Dict[str, float]] = None) -> Tuple[float, float, float]:
+    """(saved, fwd_peak, bwd_peak) bytes of `op` for `cfg`; zeros when the set has no formula for it."""
+    sw = sw if sw is not None else switches(cfg)
+    fo = select(fset, op, sw)
+    if fo is None:
+        return (0.0, 0.0, 0.0)
+    return fo.evaluate(env if env is not None else variables(cfg))

@@ -1,0 +1,200 @@
+"""Rank grid and process groups, laid out exactly as megatron-core 0.16.1 lays them out.
+
+Megatron places ranks with `RankGenerator`: the global rank is a mixed-radix number whose digits are the
+per-dimension ranks in the order `tp-cp-ep-dp-pp` (first = fastest varying). Megatron-LM's
+`--use-tp-pp-dp-mapping` switches to `tp-cp-ep-pp-dp`. Dense groups come from a generator with ep=1; expert
+groups from a second generator (tp=expert-TP, ep=EP, dp=expert-DP, cp=1) over the same ranks. Pure Python: the
+estimator must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # Megatron-LM --use-tp-pp-dp-mapping
+_TOKENS = ("tp", "pp", "dp", "ep", "cp")
+
+
+class ParallelConfigError(ValueError):
+    """An impossible parallel layout; the message is Megatron's wording where it has one."""
+
+
+def _prefix_product(a, init=1):
+    out = [init]
+    for v in a:
+        init *= v
+        out.append(init)
+    return out
+
+
+def _decompose(index, shape):
+    stride = _prefix_product(shape)
+    return [(index // d) % s for s, d in zip(shape, stride)]
+
+
+def masked_orthogonal_groups(world_size: int, sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Same algorithm as megatron's `generate_masked_orthogonal_rank_groups` (masked digits vary inside a group)."""
+    masked_shape = [s for s, m in zip(sizes, mask) if m]
+    unmasked_shape = [s for s, m in zip(sizes, mask) if not m]
+    stride = _prefix_product(sizes)
+    masked_stride = [d for d, m in zip(stride, mask) if m]
+    unmasked_stride = [d for d, m in zip(stride, mask) if not m]
+    group_size = _prefix_product(masked_shape)[-1]
+    groups = []
+    for gi in range(world_size // group_size):
+        g_idx = _decompose(gi, unmasked_shape)
+        base = sum(x * y for x, y in zip(g_idx, unmasked_stride))
+        groups.append([base + sum(x * y for x, y in zip(_decompose(r, masked_shape), masked_stride))
+                       for r in range(group_size)])
+    return groups
+
+
+class RankGrid:
+    """Pure-Python twin of megatron.core.parallel_state.RankGenerator."""
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str = DEFAULT_ORDER):
+        if ep != 1 and cp != 1:
+            raise ParallelConfigError("Both EP and CP > 1 in not allow in one rank generator.")
+        self.size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        tokens = order.lower().split("-")
+        for t in tokens:
+            if t not in _TOKENS:
+                raise ParallelConfigError(f"unknown parallelism '{t}' in rank order '{order}'")
+        for name in _TOKENS:
+            if name not in tokens:
+                if self.size[name] != 1:
+                    raise ParallelConfigError(
+                        f"The size of ({name}) is ({self.size[name]}), but you haven't specified the order ({order}).")
+                tokens.append(name)
+        self.tokens = tokens
+        self.order = "-".join(tokens)
+        self.ordered_size = [self.size[t] for t in tokens]
+        self.world_size = tp * ep * dp * pp * cp
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Groups in which the dimensions named in `token` (e.g. 'dp-cp') vary, as megatron returns them."""
+        wanted = token.split("-")
+        mask = [t in wanted for t in self.tokens]
+        return masked_orthogonal_groups(self.world_size, self.ordered_size, mask)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Per-dimension rank of a global rank (its digits in the mixed-radix order)."""
+        return dict(zip(self.tokens, _decompose(rank, self.ordered_size)))
+
+
+def gpu_name(rank: int, nproc_per_node: int) -> str:
+    """torchrun fills nodes in order: rank r is GPU r % nproc on node r // nproc."""
+    return f"n{rank // nproc_per_node}_g{rank % nproc_per_node}"
+
+
+@dataclass
+class RankCoords:
+    rank: int
+    name: str  # n{node}_g{gpu}
+    node: int
+    gpu: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int  # expert-parallel rank (from the expert generator)
+    etp: int  # expert-tensor-parallel rank
+    edp: int  # expert-data-parallel rank
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# Group names as reported, and where megatron builds each one (generator, token).
+DENSE_GROUPS = {"tp": "tp", "cp": "cp", "dp": "dp", "dp-cp": "dp-cp", "pp": "pp", "tp-pp": "tp-pp",
+                "tp-cp": "tp-cp", "tp-dp-cp": "tp-dp-cp"}
+EXPERT_GROUPS = {"ep": "ep", "expert-tp": "tp", "expert-dp": "dp", "expert-tp-ep": "tp-ep"}
+
+
+@dataclass
+class ParallelLayout:
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    edp: int
+    order: str
+    nproc_per_node: int
+    groups: dict[str, list[list[int]]] = field(default_factory=dict)
+    ranks: list[RankCoords] = field(default_factory=list)
+
+    def group_of(self, name: str, rank: int) -> list[int]:
+        """The group of kind `name` that contains `rank` (embedding groups: [] when the rank is in none)."""
+        for g in self.groups[name]:
+            if rank in g:
+                return g
+        return []
+
+    def name(self, rank: int) -> str:
+        return gpu_name(rank, self.nproc_per_node)
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "order": self.order, "nproc_per_node": self.nproc_per_node,
+                "sizes": {"tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp, "ep": self.ep,
+                          "etp": self.etp, "edp": self.edp},
+                "groups": {k: [list(g) for g in v] for k, v in self.groups.items()},
+                "ranks": [r.to_dict() for r in self.ranks]}
+
+
+def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
+                 order: str = DEFAULT_ORDER, nproc_per_node: int | None = None) -> ParallelLayout:
+    """All groups and per-rank coordinates, following megatron-core's initialize_model_parallel."""
+    for label, v in (("world size", world_size), ("tensor", tp), ("pipeline", pp), ("context", cp), ("expert", ep)):
+        if int(v) < 1:
+            raise ParallelConfigError(f"{label} parallel size must be >= 1, got {v}")
+    etp = tp if etp is None else etp
+    if world_size % (tp * pp * cp) != 0:
+        raise ParallelConfigError(
+            f"world_size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})")
+    dp = world_size // (tp * pp * cp)
+    if world_size % (etp * ep * pp) != 0:
+        raise ParallelConfigError(
+            f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel size "
+            f"({etp * ep * pp})")
+    edp = world_size // (etp * ep * pp)
+    dense = RankGrid(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+    expert = RankGrid(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order=order)
+    if not (order.endswith("pp") or pp == 1 or edp == dp):
+        raise ParallelConfigError("When not using pp-last rank ordering, the data parallel size of the attention "
+                                  "and moe layers must be the same")
+    if dense.get_ranks("pp") != expert.get_ranks("pp"):
+        raise ParallelConfigError("Pipeline parallel groups are expected to be the same for Non-Expert and Expert part")
+
+    groups = {name: dense.get_ranks(tok) for name, tok in DENSE_GROUPS.items()}
+    groups.update({name: expert.get_ranks(tok) for name, tok in EXPERT_GROUPS.items()})
+    # default_embedding_ranks / default_position_embedding_ranks: first and last (resp. first) stage of each pp group.
+    groups["embedding"] = [[g[0]] if len(g) == 1 else [g[0], g[-1]] for g in groups["pp"]]
+    groups["position-embedding"] = [[g[0]] for g in groups["pp"]]
+    groups["world"] = [list(range(world_size))]
+
+    nproc = nproc_per_node or world_size
+    ranks = []
+    for r in range(world_size):
+        d, e = dense.coords(r), expert.coords(r)
+        ranks.append(RankCoords(rank=r, name=gpu_name(r, nproc), node=r // nproc, gpu=r % nproc,
+                                tp=d["tp"], cp=d["cp"], dp=d["dp"], pp=d["pp"],
+                                ep=e["ep"], etp=e["tp"], edp=e["dp"]))
+    return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, edp=edp,
+                          order=dense.order if order == DEFAULT_ORDER else order, nproc_per_node=nproc,
+                          groups=groups, ranks=ranks)
+
+
+def layout_from_config(cfg) -> ParallelLayout:
+    """Layout for a TrainingConfig (Megatron dest names; missing attributes take Megatron's defaults)."""
+    g = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
+    world = g("world_size") or (g("nproc_per_node", 1) or 1) * (g("nnodes", 1) or 1)
+    order = TP_PP_DP_ORDER if g("use_tp_pp_dp_mapping", False) else DEFAULT_ORDER
+    return build_layout(world_size=int(world), tp=g("tensor_model_parallel_size", 1) or 1,
+                        pp=g("pipeline_model_parallel_size", 1) or 1, cp=g("context_parallel_size", 1) or 1,
+                        ep=g("expert_model_parallel_size", 1) or 1, etp=g("expert_tensor_parallel_size"),
+                        order=order, nproc_per_node=g("nproc_per_node") or None)

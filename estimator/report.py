@@ -1,0 +1,297 @@
+"""Renders a `cli.Report` as the text report or as the stable JSON document (README: "JSON output").
+
+Text uses explicit binary units (MiB, GiB = 2^30 bytes); JSON carries plain integer bytes.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+JSON_FORMAT = "megatron-memtrace-estimate"
+JSON_VERSION = 1
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
+CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
+                   "activations": "activations", "other": "other (transient at peak)"}
+MiB, GiB = float(1 << 20), float(1 << 30)
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:,.1f}"
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def _table(rows: list[list[str]], header: list[str], right: set = frozenset()) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)  # noqa: E731
+                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+# --- shared facts -----------------------------------------------------------------------------------------------
+
+def _stage_of_rank(report) -> dict[int, object]:
+    return {r.pp_rank: r for r in report.estimate.ranks}
+
+
+def _ranks_by_stage(report) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for rc in report.layout.ranks:
+        out.setdefault(rc.pp, []).append(rc)
+    return out
+
+
+def _op_rows(report, stage: int) -> list[dict]:
+    """Model tree of one stage: one row per op kind (layers folded), with params and activation bytes."""
+    cfg = report.cfg
+    e_param = 2 if (cfg.bf16 or cfg.fp16) else 4
+    rows: "OrderedDict[str, dict]" = OrderedDict()
+    for op in report.rank_params[stage].ops:
+        row = rows.setdefault(op.op, {"op": op.op, "shapes": [list(s) for s in op.shapes], "instances": 0,
+                                      "layers": 0, "params": 0, "param_bytes": 0, "expert": op.is_expert})
+        row["layers"] += 1
+        row["instances"] += op.count
+        row["params"] += op.numel
+        row["param_bytes"] += op.numel * e_param
+    per_op = _stage_of_rank(report)[stage].per_op
+    for name, act in per_op.items():
+        row = rows.setdefault(name, {"op": name, "shapes": [], "instances": 0, "layers": act.get("count", 0),
+                                     "params": 0, "param_bytes": 0, "expert": False})
+        row["saved_bytes"] = act["saved"]
+        row["fwd_peak_bytes"] = act["fwd_peak"]
+        row["bwd_peak_bytes"] = act["bwd_peak"]
+    return sorted(rows.values(), key=_tree_key([r["op"] for r in rows.values() if r["params"]]))
+
+
+def _tree_key(param_ops: list[str]):
+    """Module-tree order: an op sits at its first parameter-holding descendant (parents first); an op without
+    parameters (core_attention, loss) sits after its parent's subtree."""
+    def under(parent: str, op: str) -> bool:
+        return op == parent or op.startswith(parent + ".")
+
+    def key(row: dict):
+        name = row["op"]
+        hits = [i for i, op in enumerate(param_ops) if under(name, op)]
+        if hits:
+            return (min(hits), name.count("."))
+        parent = name
+        while "." in parent:
+            parent = parent.rsplit(".", 1)[0]
+            hits = [i for i, op in enumerate(param_ops) if under(parent, op)]
+            if hits:
+                return (max(hits) + 0.5, name.count("."))
+        return (len(param_ops) + (0 if name != "loss" else 1), 0)
+    return key
+
+
+# --- text -------------------------------------------------------------------------------------------------------
+
+def _describe(cfg) -> list[str]:
+    moe = ""
+    if cfg.is_moe:
+        moe = (f", MoE {cfg.num_experts} experts top-{cfg.moe_router_topk} (expert ffn {cfg.moe_ffn_hidden_size}"
+               + (f", shared {cfg.moe_shared_expert_intermediate_size}" if cfg.moe_shared_expert_intermediate_size
+                  else "") + f", {cfg.moe_token_dispatcher_type} dispatcher)")
+    dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+    recompute = cfg.recompute_granularity or "none"
+    if recompute == "full":
+        recompute += f" ({cfg.recompute_method}, {cfg.recompute_num_layers} layers)"
+    vp = cfg.virtual_pipeline_model_parallel_size
+    return [
+        f"Model        {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, "
+        f"heads {cfg.num_attention_heads} (query groups {cfg.num_query_groups}, head dim {cfg.kv_channels}), "
+        f"seq {cfg.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size})",
+        f"             {'swiglu' if cfg.swiglu else 'gelu'}, {cfg.normalization}, {cfg.position_embedding_type} "
+        f"positions, {'no ' if not cfg.add_bias_linear else ''}linear biases, "
+        f"{'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} embeddings{moe}",
+        f"Parallelism  world {cfg.world_size} = TP {cfg.tensor_model_parallel_size} x CP "
+        f"{cfg.context_parallel_size} x PP {cfg.pipeline_model_parallel_size} x DP {cfg.data_parallel_size}"
+        + (f" (virtual stages {vp})" if vp else "")
+        + (f"; EP {cfg.expert_model_parallel_size}, expert-TP {cfg.expert_tensor_parallel_size}, "
+           f"expert-DP {cfg.expert_data_parallel_size}" if cfg.is_moe else "")
+        + f"; sequence parallel {'on' if cfg.sequence_parallel else 'off'}; distributed optimizer "
+        f"{'on' if cfg.use_distributed_optimizer else 'off'}",
+        f"Training     micro batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size}, "
+        f"{cfg.num_microbatches} microbatches per iteration; {dtype}; optimizer {cfg.optimizer}; "
+        f"recompute {recompute}; attention {cfg.attention_kernel}",
+    ]
+
+
+def _text_model_tree(report, stage: int) -> list[str]:
+    rows = []
+    for r in _op_rows(report, stage):
+        shapes = " ".join("x".join(str(d) for d in s) for s in r["shapes"]) or "-"
+        mult = f"x{r['layers']}" if r["layers"] > 1 else ""
+        rows.append([r["op"] + (" [expert]" if r["expert"] else ""), mult, shapes, human_count(r["params"]),
+                     mib(r["param_bytes"]), mib(r.get("saved_bytes", 0)), mib(r.get("fwd_peak_bytes", 0)),
+                     mib(r.get("bwd_peak_bytes", 0))])
+    return _table(rows, ["op", "count", "param shape (per instance)", "params", "param MiB", "act saved MiB",
+                         "fwd peak MiB", "bwd peak MiB"], right={3, 4, 5, 6, 7})
+
+
+def _text_memory(report) -> list[str]:
+    est = report.estimate
+    worst = _stage_of_rank(report)[est.max_peak_pp_rank]
+    lines = [f"Per-GPU memory demand (worst rank class: pipeline stage {worst.pp_rank}; peak during "
+             f"{worst.peak_phase})"]
+    rows = [[CATEGORY_LABELS[c], gib(worst.bytes[c]), mib(worst.bytes[c])] for c in CATEGORIES]
+    rows.append(["total (peak)", gib(worst.peak_bytes), mib(worst.peak_bytes)])
+    lines += ["  " + s for s in _table(rows, ["category", "GiB", "MiB"], right={1, 2})]
+    return lines
+
+
+def _rank_list(ranks: list) -> str:
+    names = [rc.name for rc in ranks]
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)} GPUs)"
+
+
+def _text_rank_table(report) -> list[str]:
+    by_stage = _ranks_by_stage(report)
+    rows = []
+    for r in report.estimate.ranks:
+        rows.append([str(r.pp_rank), _rank_list(by_stage[r.pp_rank]), human_count(r.params),
+                     *(gib(r.bytes[c]) for c in CATEGORIES), gib(r.peak_bytes), str(r.in_flight_max), r.peak_phase])
+    return _table(rows, ["pp", "GPUs", "params", "weights", "grads", "optim", "activ", "other", "peak GiB",
+                         "in flight", "peak phase"], right={2, 3, 4, 5, 6, 7, 8, 9})
+
+
+def _text_comm(report) -> list[str]:
+    colls = report.comm.collectives
+    if not colls:
+        return ["(no communication: a single GPU)"]
+    summary = report.comm.summary()
+    rows = [[dim, ", ".join(d["ops"]), f"{d['calls_per_iteration']:,}", mib(d["max_rank_bytes_per_iteration"]),
+             gib(d["cluster_bytes_per_iteration"]), "modelled" if d["modelled"] else "checked vs megatron-core"]
+            for dim, d in summary.items()]
+    lines = ["Summary per dimension"]
+    lines += ["  " + s for s in _table(rows, ["dim", "collectives", "calls/iter", "wire MiB/rank/iter",
+                                              "cluster GiB/iter", "source"], right={2, 3, 4})]
+    rows = []
+    for c in _merge_equal_rows(colls):
+        shape = "x".join(str(d) for d in c.shape)
+        ranks = c.ranks
+        who = _rank_list([report.layout.ranks[r] for r in ranks])
+        rows.append([c.dim, c.op + (f" ({c.direction})" if c.direction else ""), c.what, c.phase,
+                     f"{c.group} ({c.group_size})", f"{shape} {c.dtype}", mib(c.bytes), str(c.per_microbatch),
+                     str(c.per_iteration), mib(c.wire_bytes_per_iteration), gib(c.cluster_bytes_per_iteration),
+                     who + (" *" if c.modelled else "")])
+    lines += ["", "Detail (one row per collective and rank class; * = modelled, not checked against a measured run)"]
+    lines += ["  " + s for s in _table(rows, ["dim", "op", "what", "phase", "group (size)", "message", "msg MiB",
+                                              "/mb", "/iter", "wire MiB/rank/iter", "cluster GiB/iter", "ranks"],
+                                       right={6, 7, 8, 9, 10})]
+    for note in report.comm.notes:
+        lines.append(f"note: {note}")
+    return lines
+
+
+def _merge_equal_rows(colls: list) -> list:
+    """DP buckets of equal size on the same ranks read better as one row with their calls summed."""
+    import copy
+    merged: "OrderedDict[tuple, object]" = OrderedDict()
+    for c in colls:
+        key = (c.dim, c.op, c.what, c.phase, c.group, tuple(c.shape), c.dtype, tuple(c.ranks), c.direction)
+        if key in merged:
+            m = merged[key]
+            m.per_iteration += c.per_iteration
+            m.per_microbatch += c.per_microbatch
+        else:
+            merged[key] = copy.copy(c)
+    return list(merged.values())
+
+
+def _text_groups(report) -> list[str]:
+    lines = []
+    layout = report.layout
+    for dim in ("tp", "cp", "dp", "pp", "ep", "expert-tp", "expert-dp", "embedding"):
+        groups = layout.groups.get(dim, [])
+        if not groups or all(len(g) == 1 for g in groups):
+            continue
+        shown = groups[:4]
+        text = "  ".join("[" + " ".join(layout.name(r) for r in g) + "]" for g in shown)
+        more = f"  ... ({len(groups)} groups)" if len(groups) > len(shown) else ""
+        lines.append(f"  {dim:<10} {text}{more}")
+    return lines or ["  (every group has one member)"]
+
+
+def to_text(report) -> str:
+    cfg, est = report.cfg, report.estimate
+    modelled = report.formula_set.kind == "modelled"
+    out = ["megatron-memtrace estimate",
+           f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
+           + (" -- activations are MODELLED from published analysis, not measured" if modelled else
+              " -- fitted from measured traces"),
+           ""]
+    out += _describe(cfg)
+    out += ["", f"Model tree, pipeline stage {est.max_peak_pp_rank} (one TP/EP rank; activation bytes per "
+                f"microbatch summed over its layers)"]
+    out += ["  " + s for s in _text_model_tree(report, est.max_peak_pp_rank)]
+    total = sum(rp.total for rp in report.rank_params)
+    out += [f"  parameters per model replica on this layout: {human_count(total)} per TP/EP slice summed over "
+            f"stages; see per-rank table", ""]
+    out += _text_memory(report)
+    out += ["", f"Per-rank table ({est.schedule} schedule; every GPU of a pipeline stage holds the same shapes; "
+                f"GiB)"]
+    out += ["  " + s for s in _text_rank_table(report)]
+    out += ["", f"Maximum peak: {gib(est.max_peak_bytes)} GiB on pipeline stage {est.max_peak_pp_rank}", ""]
+    out += ["Communication per iteration (bytes on the wire per rank use ring factors: all-reduce 2(n-1)/n, "
+            "all-gather / reduce-scatter (n-1)/n)"]
+    out += ["  " + s for s in _text_comm(report)]
+    out += ["", "Process groups (megatron-core rank order " + report.layout.order + "; n<node>_g<gpu>)"]
+    out += _text_groups(report)
+    for w in getattr(cfg, "warnings", []) or []:
+        out.append(f"warning: {w}")
+    if cfg.ignored_args:
+        out += ["", "Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)]
+    return "\n".join(out) + "\n"
+
+
+# --- JSON -------------------------------------------------------------------------------------------------------
+
+def _int(x: float) -> int:
+    return int(round(x))
+
+
+def to_json(report) -> dict:
+    cfg, est, layout = report.cfg, report.estimate, report.layout
+    stage = _stage_of_rank(report)
+    ranks = []
+    for rc in layout.ranks:
+        r = stage[rc.pp]
+        ranks.append({"rank": rc.rank, "name": rc.name,
+                      "coords": {"tp": rc.tp, "cp": rc.cp, "ep": rc.ep, "dp": rc.dp, "pp": rc.pp,
+                                 "etp": rc.etp, "edp": rc.edp},
+                      "params": r.params, "expert_params": r.expert_params,
+                      "bytes": {c: _int(r.bytes[c]) for c in CATEGORIES},
+                      "peak_bytes": _int(r.peak_bytes), "peak_phase": r.peak_phase})
+    worst_rank = next(r["rank"] for r in ranks if r["peak_bytes"] == max(x["peak_bytes"] for x in ranks))
+    stages = []
+    for r in est.ranks:
+        ops = []
+        for row in _op_rows(report, r.pp_rank):
+            ops.append({k: (_int(v) if k.endswith("_bytes") else v) for k, v in row.items()})
+        stages.append({"pp_rank": r.pp_rank, "params": r.params, "expert_params": r.expert_params,
+                       "bytes": {c: _int(r.bytes[c]) for c in CATEGORIES}, "peak_bytes": _int(r.peak_bytes),
+                       "peak_phase": r.peak_phase, "in_flight_max": r.in_flight_max, "ops": ops})
+    return {
+        "format": JSON_FORMAT, "version": JSON_VERSION,
+        "formula_set": {"name": report.formula_set.name, "kind": report.formula_set.kind,
+                        "path": report.formula_set.path},
+        "config": cfg.to_dict(),
+        "ignored_args": list(cfg.ignored_args),
+        "schedule": est.schedule,
+        "max_peak_bytes": _int(est.max_peak_bytes),
+        "max_peak_rank": worst_rank,
+        "max_peak_pp_rank": est.max_peak_pp_rank,
+        "ranks": ranks,
+        "stages": stages,
+        "groups": {k: [list(g) for g in v] for k, v in layout.groups.items()},
+        "communication": report.comm.to_dict(),
+    }

@@ -1,0 +1,189 @@
+"""Static memory per rank: weights, DDP gradient buffers, optimizer states (megatron-core 0.16 layout).
+
+Mirrors megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer: one contiguous grad buffer per
+(model chunk, dense|expert) filled in reverse parameter order; with the distributed optimizer each param start is
+padded to 64 elements and each bucket end to lcm(dp, 128) so every DP rank owns an equal shard, and the params
+themselves move into a (padded) param buffer that the all-gather writes into.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class ParamInfo(NamedTuple):
+    """One parameter as DDP sees it (named_parameters order)."""
+    numel: int
+    expert: bool = False            # allreduce=False in megatron-core: goes to the expert-DP buffer
+    shared_embedding: bool = False  # tied embedding/output weight with PP > 1: own bucket under dist-opt
+
+
+@dataclass
+class BufferLayout:
+    numel: int                      # elements allocated (with padding)
+    numel_unpadded: int
+    buckets: List[Tuple[int, int]]  # [start, end) per bucket
+    param_ranges: List[Tuple[int, int]]  # [start, end) per param, in the given (forward) order
+
+
+def _pad(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def buffer_layout(numels: Sequence[int], shared: Sequence[bool], dp: int, dist_opt: bool,
+                  bucket_size: Optional[int], pad_for_high_busbw: bool = False) -> BufferLayout:
+    """The same index arithmetic as _ParamAndGradBuffer.__init__ (params walked in reverse)."""
+    divisor = math.lcm(dp, 128, 2 ** 16 if pad_for_high_busbw else 1)
+    pad_end = (lambda i: _pad(i, divisor)) if dist_opt else (lambda i: i)
+    ranges: List[Tuple[int, int]] = [(0, 0)] * len(numels)
+    buckets: List[Tuple[int, int]] = []
+    unpadded = 0
+    start = bucket_start = 0
+    end = 0
+    n_in_bucket = 0
+
+    def close(end_index: int) -> int:
+        nonlocal bucket_start, n_in_bucket, unpadded
+        unpadded += end_index - bucket_start
+        padded = pad_end(end_index)
+        buckets.append((bucket_start, padded))
+        bucket_start, n_in_bucket = padded, 0
+        return padded
+
+    for i in range(len(numels) - 1, -1, -1):
+        if dist_opt:
+            start = _pad(start, 64)
+        own = dist_opt and shared[i]
+        if own and n_in_bucket:
+            start = close(start)
+        end = start + numels[i]
+        ranges[i] = (start, end)
+        n_in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own:
+            start = close(end)
+        else:
+            start = end
+    if n_in_bucket:
+        close(end)
+    total = buckets[-1][1] if buckets else 0
+    return BufferLayout(total, unpadded, buckets, ranges)
+
+
+def shard_param_elements(layout: BufferLayout, dp: int, dp_rank: int) -> int:
+    """Real parameter elements in DP rank `dp_rank`'s shard (what the distributed optimizer keeps states for)."""
+    n = 0
+    for (b0, b1) in layout.buckets:
+        size = (b1 - b0) // dp
+        lo, hi = b0 + dp_rank * size, b0 + (dp_rank + 1) * size
+        for (p0, p1) in layout.param_ranges:
+            if p1 > lo and p0 < hi and p0 >= b0 and p1 <= b1:
+                n += min(p1, hi) - max(p0, lo)
+    return n
+
+
+@dataclass
+class StaticMemory:
+    params: int                     # parameters held by this rank (all chunks)
+    expert_params: int
+    weights_bytes: int             # param storage (padded param buffer under dist-opt)
+    grad_buffer_bytes: int         # DDP main-grad buffers (padded)
+    optimizer_bytes: int           # fp32 master params + fp32 grad copies + Adam/SGD states (sharded with dist-opt)
+    optimizer_detail: dict = field(default_factory=dict)
+    grad_buffer_numel: int = 0
+    padding_elements: int = 0
+    optimizer_step_transient_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.grad_buffer_bytes + self.optimizer_bytes
+
+
+def _g(cfg: Any, name: str, default: Any = None) -> Any:
+    v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+    return default if v is None else v
+
+
+def precision(cfg: Any) -> Tuple[str, str]:
+    """(param dtype, grad dtype) as megatron-core DDP sees them."""
+    pd = "bf16" if _g(cfg, "bf16", False) else "fp16" if _g(cfg, "fp16", False) else "fp32"
+    if pd == "fp32":
+        return pd, "fp32"
+    fp32_grads = _g(cfg, "accumulate_allreduce_grads_in_fp32", pd == "bf16")
+    if pd == "bf16" and _g(cfg, "grad_reduce_in_bf16", False):
+        fp32_grads = False
+    return pd, "fp32" if fp32_grads else pd
+
+
+def optimizer_bytes_per_param(cfg: Any) -> Tuple[int, int]:
+    """(bytes per param that stay replicated, bytes per param that the distributed optimizer shards) for the
+    optimizer side only: master fp32 params (16-bit params), fp32 grad copies (16-bit grads), Adam m+v / SGD momentum."""
+    pd, gd = precision(cfg)
+    master = 4 if pd != "fp32" else 0
+    grad_copy = 4 if gd != "fp32" else 0   # Float16Optimizer copies 16-bit main grads to fp32 main params' .grad
+    opt = _g(cfg, "optimizer", "adam")
+    states = 8 if opt == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
+    return 0, master + grad_copy + states
+
+
+def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int = 0,
+                  dp_rank: Optional[int] = None) -> StaticMemory:
+    """Static bytes of one rank. `chunks`: the rank's model chunks (one per virtual stage), each the parameters in
+    named_parameters order. dp_rank None = the DP rank whose shard holds the most real elements."""
+    pd, gd = precision(cfg)
+    pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    cp = _g(cfg, "context_parallel_size", 1)
+    dp_dense = _g(cfg, "data_parallel_size", 1) * cp          # DDP buffers use the dp x cp group
+    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
+    bucket = None
+    if _g(cfg, "overlap_grad_reduce", False):
+        bucket = _g(cfg, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp_dense)
+    opt_states = 8 if _g(cfg, "optimizer", "adam") == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
+
+    params = expert = weights = grads = gnumel = padding = state_elems = 0
+    largest = 0
+    for ci, chunk in enumerate(chunks):
+        chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
+        # Megatron-LM disables bucketing on stages > 0 and on virtual chunks > 0.
+        bsize = bucket if (pp_rank == 0 and ci == 0) else None
+        for is_exp, dp in ((False, dp_dense), (True, dp_expert)):
+            group = [p for p in chunk if p.expert == is_exp]
+            if not group:
+                continue
+            n = sum(p.numel for p in group)
+            params += n
+            expert += n if is_exp else 0
+            largest = max(largest, max(p.numel for p in group))
+            lay = buffer_layout([p.numel for p in group], [p.shared_embedding for p in group], dp, dist_opt, bsize)
+            gnumel += lay.numel
+            padding += lay.numel - lay.numel_unpadded
+            grads += lay.numel * gb
+            weights += (lay.numel if dist_opt else n) * pb
+            if dist_opt:
+                ranks = ([0, dp - 1] if dp > 1 else [0]) if dp_rank is None else [dp_rank % dp]  # the last shard holds the padding
+                state_elems += max(shard_param_elements(lay, dp, r) for r in ranks)
+            else:
+                state_elems += n
+    master = 4 * state_elems if pd != "fp32" else 0
+    grad_copy = 4 * state_elems if gd != "fp32" else 0
+    states = opt_states * state_elems
+    detail = {"master_params_bytes": master, "fp32_grad_copy_bytes": grad_copy, "states_bytes": states,
+              "state_elements": state_elems, "optimizer": _g(cfg, "optimizer", "adam")}
+    # Step transient: a fused multi-tensor step needs no parameter-sized temporaries; grad-norm / clipping keep one
+    # fp32 vector of the largest tensor's shard at most (modelled, conservative).
+    sharded_largest = -(-largest // (dp_dense if dist_opt else 1))
+    return StaticMemory(params, expert, weights, grads, master + grad_copy + states, detail, gnumel, padding,
+                        4 * sharded_largest)
+
+
+def table_bytes_per_param(cfg: Any) -> float:
+    """Megatron's documented bytes/param (docs: distributed optimizer): 18 | 6+12/d (bf16), 20 | 4+16/d (fp16),
+    16 | 8+8/d (fp32), Adam, padding ignored."""
+    pd, gd = precision(cfg)
+    d = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+    _, sharded = optimizer_bytes_per_param(cfg)
+    rep = DTYPE_BYTES[pd] + DTYPE_BYTES[gd]
+    return rep + sharded / d if _g(cfg, "use_distributed_optimizer", False) else rep + sharded

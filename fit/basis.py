@@ -1,0 +1,137 @@
+"""Candidate monomials (docs/FORMATS.md section 4 variables) that an op's bytes may be a sum of.
+
+A monomial is a sorted tuple of (variable, exponent) pairs; () is the constant 1. Each op family gets a short list
+of sharded-shape atoms (tokens s*b times a hidden-like size, divided by the parallel size that shards it); every
+atom appears twice, times `e` (an activation in the training dtype) and bare (a fixed-size dtype: fp32 softmax,
+int64 indices, byte masks), so the fit can tell them apart once the data holds two dtypes.
+Order matters: earlier candidates win ties between fits that agree on the whole domain of a formula.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Mapping
+
+Monomial = tuple  # tuple[tuple[str, int], ...], sorted by variable name
+
+# The FORMATS 4 variables, and the Megatron flag that changes each (for "vary X" hints).
+VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs", "t", "st", "cp", "ep", "etp", "e")
+FLAG_HINTS = {
+    "s": "--seq-length", "b": "--micro-batch-size", "h": "--hidden-size", "f": "--ffn-hidden-size",
+    "a": "--num-attention-heads", "g": "--num-query-groups (with --group-query-attention)",
+    "d": "--kv-channels", "v": "--vocab-size", "E": "--num-experts", "k": "--moe-router-topk",
+    "fe": "--moe-ffn-hidden-size", "fs": "--moe-shared-expert-intermediate-size",
+    "t": "--tensor-model-parallel-size", "st": "--sequence-parallel (with TP > 1)",
+    "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
+    "etp": "--expert-tensor-parallel-size", "e": "--bf16 / --fp16 (element size)",
+}
+
+
+def parse_monomial(text: str) -> Monomial:
+    """'s*s*b*a/t' -> (('a',1),('b',1),('s',2),('t',-1)); '1' -> ()."""
+    exps: dict[str, int] = {}
+    num, _, den = text.partition("/")
+    for part, sign in ((num, 1), (den, -1)):
+        for name in filter(None, (p.strip() for p in part.split("*"))):
+            if name == "1":
+                continue
+            if name not in VARIABLES:
+                raise ValueError(f"unknown variable {name!r} in {text!r}")
+            exps[name] = exps.get(name, 0) + sign
+    return tuple(sorted((k, v) for k, v in exps.items() if v))
+
+
+def format_monomial(m: Monomial) -> str:
+    num = [k for k, v in m for _ in range(v) if v > 0]
+    den = [k for k, v in m for _ in range(-v) if v < 0]
+    text = "*".join(_canonical_order(num)) or "1"
+    return text + ("/" + "*".join(_canonical_order(den)) if den else "")
+
+
+def _canonical_order(names: list[str]) -> list[str]:
+    return sorted(names, key=VARIABLES.index)
+
+
+def times(m: Monomial, var: str, exp: int = 1) -> Monomial:
+    d = dict(m)
+    d[var] = d.get(var, 0) + exp
+    return tuple(sorted((k, v) for k, v in d.items() if v))
+
+
+def evaluate(m: Monomial, values: Mapping[str, object]) -> Fraction:
+    """Exact value of the monomial at integer/rational variable values."""
+    out = Fraction(1)
+    for var, exp in m:
+        out *= Fraction(values[var]) ** exp
+    return out
+
+
+def variables_of(m: Monomial) -> set[str]:
+    return {k for k, _ in m}
+
+
+# --- op families ------------------------------------------------------------------------------------------
+# Atoms without e. Tokens are s*b (s is already seq/cp). Layer-norm/residual-stream activations are sharded by
+# sequence parallelism (/st); attention and MLP interiors by TP (/t); logits by TP over the vocab.
+_STREAM = ["s*b*h/st", "s*b*h", "s*b*h/t"]
+_WEIGHTS = ["h*h/t", "h*f/t", "h*a*d/t", "h*g*d/t", "h", "f/t", "a*d/t", "g*d/t"]
+FAMILIES: dict[str, list[str]] = {
+    "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "1"],
+    "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "1"],
+    "linear_proj": _STREAM + ["s*b*a*d/t", "1"],
+    "linear_fc1": _STREAM + ["s*b*f/t", "1"],
+    "linear_fc2": _STREAM + ["s*b*f/t", "1"],
+    "mlp": ["s*b*f/t", "s*b*h/st", "s*b*h", "1"],
+    "layernorm": ["s*b*h/st", "s*b/st", "s*b*a*d/t", "s*b*g*d/t", "s*b*a/t", "s*b*g/t", "1"],
+    "self_attention": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*d", "1"],
+    "layer": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS,
+    "embedding": ["s*b*h/st", "s*b*h", "s*b", "s*h", "v*h/t", "1"],
+    "output_layer": ["s*b*v/t", "s*b*h/st", "s*b*h", "s*b", "v*h/t", "1"],
+    "loss": ["s*b*v/t", "s*b", "s*b/t", "1"],
+    "router": ["s*b*E/st", "s*b*k/st", "s*b*h/st", "s*b*E", "s*b*k", "s*b/st", "E", "1"],
+    "experts": ["s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st", "E/ep", "1"],
+    "shared_experts": ["s*b*fs/t", "s*b*h/st", "s*b*h", "1"],
+    "token_dispatcher": ["s*b*k*h/st", "s*b*k*h", "s*b*k/st", "s*b*E/st", "E/ep", "1"],
+    "optimizer": ["h*h/t", "h*f/t", "v*h/t", "h", "f/t", "1"],
+}
+
+
+def family(op: str) -> str:
+    """Which basis an op name (FORMATS 2.3 normalised) uses."""
+    last = op.rsplit(".", 1)[-1]
+    if op in ("optim", "optimizer") or op.startswith("optim"):
+        return "optimizer"
+    if op == "loss" or last == "loss":
+        return "loss"
+    if last in FAMILIES:
+        return last
+    if "layernorm" in last or last.endswith("_norm") or last == "norm":
+        return "layernorm"
+    if "shared_expert" in op:
+        return "shared_experts"
+    if "experts" in op:
+        return "experts"
+    if "router" in op:
+        return "router"
+    if "dispatcher" in op:
+        return "token_dispatcher"
+    if "embedding" in op:
+        return "embedding"
+    if "output_layer" in op:
+        return "output_layer"
+    if op.startswith("layers.") and op.count(".") == 1:  # 'layers.*' itself: residuals, backward of a layer
+        return "layer"
+    if "self_attention" in op or "cross_attention" in op:
+        return "self_attention"
+    if ".mlp" in op:
+        return "mlp"
+    return "layer"  # widest basis for anything unrecognised
+
+
+def candidates(op: str) -> list[Monomial]:
+    """Ordered candidate monomials for `op`: atoms times e first, then the same atoms bare."""
+    atoms = [parse_monomial(a) for a in FAMILIES[family(op)]]
+    out: list[Monomial] = []
+    for m in [times(a, "e") for a in atoms] + atoms:
+        if m not in out:
+            out.append(m)
+    return out

@@ -1,0 +1,91 @@
+"""Write fitted formulas as a FORMATS 4 formula-set file, with provenance.
+
+Only formulas determined for every measured metric are written (an omitted metric would read as 0 bytes, an
+under-prediction); refusals and their reasons go into provenance so the gaps are visible. The result is
+validated with the estimator's own loader before it is written.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from fractions import Fraction
+
+import numpy as np
+
+from estimator.formulas import FORMAT, VERSION, from_dict
+
+from .dataset import RunInfo
+from .group import OpFormula
+from .solve import format_terms
+
+FITTER_VERSION = 1
+
+
+def coef_json(c: Fraction):
+    """Integers as JSON numbers, other rationals as exact 'p/q' strings."""
+    return int(c) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
+
+
+def terms_json(terms) -> list:
+    return [{"coef": coef_json(c), "vars": dict(m)} for c, m in terms]
+
+
+def formula_json(f: OpFormula) -> dict:
+    out = {"op": f.op, "per": f.per, "when": dict(f.when)}
+    for m in ("saved", "fwd_peak", "bwd_peak"):
+        out[m] = terms_json(f.fits[m].terms) if m in f.fits else []
+    return out
+
+
+def _fit_record(f: OpFormula, metric: str) -> dict:
+    rec = {"op": f.op, "when": dict(f.when), "metric": metric, "configs": len(f.runs)}
+    if metric in f.fits:
+        fit = f.fits[metric]
+        rec.update(formula=format_terms(fit.terms), exact=fit.exact, n_points=fit.n_points,
+                   max_abs_residual_bytes=fit.max_abs_residual, max_rel_residual=fit.max_rel_residual,
+                   loo_max_rel_err=fit.loo_max_rel_err, loo_undetermined_folds=fit.loo_undetermined)
+        if fit.notes:
+            rec["notes"] = list(fit.notes)
+    else:
+        rec["refused"] = f.refused[metric]
+    return rec
+
+
+def build(name: str, runs: list[RunInfo], formulas: list[OpFormula], description: str = "",
+          base_dir: str | None = None) -> dict:
+    base = base_dir or os.getcwd()
+    kept = [f for f in formulas if f.ok]
+    versions = sorted({json.dumps(r.versions, sort_keys=True) for r in runs})
+    prov = {
+        "fitter": {"name": "megatron-memtrace fit", "version": FITTER_VERSION, "numpy": np.__version__,
+                   "python": platform.python_version()},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "devices": sorted({r.device for r in runs}),
+        "backends": sorted({r.backend for r in runs}),
+        "versions": [json.loads(v) for v in versions],
+        "traces": [{"dir": os.path.relpath(r.path, base), "ranks": r.ranks, "world_size": r.world_size,
+                    "iterations": r.iterations, "device": r.device, "argv": r.argv, "measured_peaks": r.peaks,
+                    "config": r.config} for r in runs],
+        "fits": [_fit_record(f, m) for f in kept for m in ("saved", "fwd_peak", "bwd_peak") if m in f.fits],
+        "refused": [_fit_record(f, m) for f in formulas if not f.ok
+                    for m in ("saved", "fwd_peak", "bwd_peak") if m in f.refused],
+    }
+    doc = {"format": FORMAT, "version": VERSION, "name": name, "kind": "fitted",
+           "description": description or f"Fitted from {len(runs)} trace run(s) on "
+                                         f"{', '.join(prov['devices'])}.",
+           "provenance": prov, "formulas": [formula_json(f) for f in kept]}
+    return doc
+
+
+def write(path: str, doc: dict) -> None:
+    if not doc["formulas"]:
+        raise ValueError("no formula could be determined from these traces (see the refusals above)")
+    from_dict(doc, path)  # the estimator must be able to read what we write
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.write("\n")
+    os.replace(tmp, path)
+

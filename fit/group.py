@@ -1,0 +1,157 @@
+"""Per op: choose which switches split the data into separate formulas, and fit each part.
+
+Switches that enter through a variable (dtype through e, sequence parallelism through st) or not at all should
+not split the data: one formula over both values is better determined. So, per op, switches are added greedily
+(most likely first) until every part of the data split by them has a determined exact fit of its saved bytes;
+transient peaks are then fitted on the same parts. A formula's `when` lists every switch constant in its part: it
+claims nothing about switch values it has not seen. A fit whose leave-one-out predictions miss is refused as
+overfitted (exact byte counts leave no room for a formula that only interpolates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import basis
+from .dataset import METRICS, Sample
+from .solve import Fit, FitRefused, fit_group, leave_one_out
+
+# Switches most likely to change what an op saves come first, so ties between equally small S prefer them.
+SWITCH_ORDER = ("attention", "recompute", "moe", "activation", "position", "normalization", "gqa", "dropout",
+                "sp", "dtype")
+MOE_VARS = ("E", "k", "fs", "ep")
+LOO_EXACT_LIMIT = 1e-6      # an exact formula must predict held-out configs exactly (up to float printing)
+
+
+@dataclass
+class OpFormula:
+    op: str
+    per: str
+    when: dict
+    fits: dict                                   # metric -> Fit (metrics without data are absent)
+    refused: dict = field(default_factory=dict)  # metric -> reason
+    runs: list = field(default_factory=list)     # trace dirs of this part
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused and "saved" in self.fits
+
+
+def domain(when: dict) -> tuple[set, dict]:
+    """Variables a `when` pins (fixed at their observed value, or tied to another variable)."""
+    fixed, ties = set(), {}
+    if "dtype" in when:
+        fixed.add("e")
+    if when.get("sp") is False:
+        fixed.add("st")
+    elif when.get("sp") is True:
+        ties["st"] = "t"
+    if when.get("gqa") is False:
+        ties["g"] = "a"
+    if when.get("moe") is False:
+        fixed.update(MOE_VARS)
+        ties.update({"fe": "f", "etp": "t"})
+    return fixed, ties
+
+
+def constant_switches(samples: list[Sample]) -> dict:
+    keys = [k for k in SWITCH_ORDER if all(k in s.switches for s in samples)]
+    keys += sorted({k for s in samples for k in s.switches} - set(keys))
+    return {k: samples[0].switches.get(k) for k in keys
+            if all(s.switches.get(k) == samples[0].switches.get(k) for s in samples)}
+
+
+class _OpFitter:
+    def __init__(self, op: str, samples: list[Sample], peak_bound: float = 0.0, **kw):
+        self.op, self.samples, self.kw, self.peak_bound = op, samples, kw, peak_bound
+        self.cands = basis.candidates(op)
+        self.cache: dict = {}
+
+    def fit_metric(self, part: list[Sample], metric: str):
+        """Fit or refusal reason (str) for one metric of one part; None when the part has no such data."""
+        key = (tuple(sorted(id(s) for s in part)), metric)
+        if key not in self.cache:
+            have = [s for s in part if s.values.get(metric) is not None]
+            if not have:
+                self.cache[key] = None
+            else:
+                fixed, ties = domain(constant_switches(part))
+                try:
+                    self.cache[key] = fit_group([s.point for s in have], [s.values[metric] for s in have],
+                                                self.cands, fixed=fixed, ties=ties,
+                                                bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
+                except FitRefused as exc:
+                    self.cache[key] = str(exc)
+        return self.cache[key]
+
+    def formula(self, part: list[Sample]) -> OpFormula:
+        fits, refused = {}, {}
+        for m in METRICS:
+            r = self.fit_metric(part, m)
+            if isinstance(r, Fit):
+                fits[m] = r
+            elif r is not None:
+                refused[m] = r
+        per = "layer" if any(s.per == "layer" for s in part) else "model"
+        return OpFormula(self.op, per, constant_switches(part), fits, refused, sorted({s.run for s in part}))
+
+    def split(self, keys: tuple) -> list[list[Sample]]:
+        parts: dict = {}
+        for s in self.samples:
+            parts.setdefault(tuple(repr(s.switches.get(k)) for k in keys), []).append(s)
+        return list(parts.values())
+
+    def covered(self, keys: tuple) -> int:
+        """Configs whose part has a determined saved-bytes fit when split by `keys`."""
+        return sum(len(p) for p in self.split(keys) if isinstance(self.fit_metric(p, "saved"), Fit))
+
+    def run(self) -> list[OpFormula]:
+        extra = sorted(set().union(*(s.switches for s in self.samples)) - set(SWITCH_ORDER))
+        varying = [k for k in SWITCH_ORDER + tuple(extra)
+                   if len({repr(s.switches.get(k)) for s in self.samples}) > 1]
+        keys: tuple = ()
+        best = self.covered(keys)
+        while best < len(self.samples):
+            scored = [(self.covered(keys + (k,)), -i, k) for i, k in enumerate(varying) if k not in keys]
+            if not scored:
+                break
+            cov, _, k = max(scored)
+            if cov <= best and len(keys) + 1 < len(varying):
+                # No single switch helps yet (e.g. two must split together): take the first and keep going.
+                k = next(x for x in varying if x not in keys)
+            keys += (k,)
+            best = self.covered(keys)
+        return [self.formula(p) for p in self.split(keys)]
+
+
+def fit_op(op: str, samples: list[Sample], loo: bool = True, peak_bound: float = 0.0, **kw) -> list[OpFormula]:
+    """Formulas (and refusals) for one op; with loo, each accepted fit gets its leave-one-out error and an
+    exact fit that mispredicts a held-out config (or a bound fit off by more than twice the bound) is refused.
+    peak_bound > 0 lets transient peaks fall back to an upper-bound fit (see solve.fit_group's `bound`)."""
+    fitter = _OpFitter(op, samples, peak_bound, **kw)
+    out = fitter.run()
+    if loo:
+        for f in out:
+            fixed, ties = domain(f.when)
+            for m, fit in list(f.fits.items()):
+                have = [s for s in samples if s.run in f.runs and s.values.get(m) is not None]
+                leave_one_out(fit, [s.point for s in have], [s.values[m] for s in have], fitter.cands,
+                              fixed=fixed, ties=ties, bound=0.0 if m == "saved" else peak_bound, **kw)
+                limit = LOO_EXACT_LIMIT if fit.exact else max(2 * peak_bound, LOO_EXACT_LIMIT)
+                if fit.loo_max_rel_err is not None and fit.loo_max_rel_err > limit:
+                    del f.fits[m]
+                    f.refused[m] = (f"overfitted: {fit} fits all {fit.n_points} configs but leave-one-out "
+                                    f"mispredicts a held-out one by {fit.loo_max_rel_err:.1%}; add configs")
+    return out
+
+
+def fit_all(samples: list[Sample], ops: list[str] | None = None, **kw) -> list[OpFormula]:
+    by_op: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_op.setdefault(s.op, []).append(s)
+    out = []
+    for op in sorted(by_op) if ops is None else ops:
+        out.extend(fit_op(op, by_op[op], **kw))
+    return out
+
+
+__all__ = ["OpFormula", "fit_op", "fit_all", "domain", "Fit"]

@@ -1,0 +1,148 @@
+"""Shared pytest helpers: build the real megatron-core GPTModel on CPU and count its parameters per op.
+
+Real process groups, no faked rank coordinates: `run_on_gloo_world` spawns `world` processes with gloo, each runs
+megatron's parallel_state.initialize_model_parallel for every case and builds its own model chunks with the local
+spec (the only spec that builds without Transformer Engine). `use_cpu_initialization=True` keeps weight creation
+on CPU, which is all megatron-core 0.16.1 needs to build (not train) a model without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import traceback
+
+_LAYER_PATH = re.compile(r"^(?:module\.)*(?:decoder\.)?layers\.(\d+)\.(.*)$")
+_EXPERT_PATH = re.compile(r"^mlp\.experts\.local_experts\.\d+\.(.*)$")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def op_of_param(name: str, chunk_layers: list[int]) -> tuple[str, int | None]:
+    """'decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight' -> ('layers.*.mlp.experts.linear_fc1', L)."""
+    module = name.rsplit(".", 1)[0]
+    module = re.sub(r"^(?:module\.)+", "", module)
+    match = _LAYER_PATH.match(module)
+    if not match:
+        return module.replace("decoder.", ""), None
+    local_index, rest = int(match.group(1)), match.group(2)
+    expert = _EXPERT_PATH.match(rest)
+    if expert:
+        rest = "mlp.experts." + expert.group(1)
+    return "layers.*." + rest, chunk_layers[local_index]
+
+
+def transformer_config(cfg):
+    """megatron-core TransformerConfig for a TrainingConfig (what Megatron-LM's core_transformer_config_from_args
+    sets for the fields that shape parameters)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels, add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
+        normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size, sequence_parallel=cfg.sequence_parallel,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+        num_layers_in_first_pipeline_stage=cfg.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=cfg.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=cfg.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=cfg.account_for_loss_in_pipeline_split,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if cfg.swiglu:
+        kwargs.update(activation_func=F.silu, gated_linear_unit=True)
+    if cfg.num_experts:
+        kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
+                      moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
+                      moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                      moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=False)
+    return TransformerConfig(**kwargs)
+
+
+def megatron_param_counts(cfg, pp_rank: int) -> dict:
+    """{(op, layer): numel} over every model chunk this process builds for pipeline rank `pp_rank`."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = transformer_config(cfg)
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    last_pp = cfg.pipeline_model_parallel_size - 1
+    counts: dict = {}
+    for vp in range(vpp):
+        vp_stage = vp if cfg.virtual_pipeline_model_parallel_size else None
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg.normalization,
+                                          vp_stage=vp_stage, pp_rank=pp_rank)
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=cfg.padded_vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            pre_process=pp_rank == 0 and vp == 0, post_process=pp_rank == last_pp and vp == vpp - 1,
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.position_embedding_type, vp_stage=vp_stage,
+        )
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        chunk_layers = [offset + i for i in range(get_num_layers_to_build(config, vp_stage, pp_rank))]
+        for name, param in model.named_parameters():
+            key = op_of_param(name, chunk_layers)
+            counts[key] = counts.get(key, 0) + param.numel()
+    return counts
+
+
+def _worker(rank: int, world: int, port: int, cases: list, results) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case_id, cfg in cases:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+                context_parallel_size=cfg.context_parallel_size,
+                expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+            )
+            coords = {"tp": parallel_state.get_tensor_model_parallel_rank(),
+                      "pp": parallel_state.get_pipeline_model_parallel_rank(),
+                      "ep": parallel_state.get_expert_model_parallel_rank()}
+            try:
+                counts = megatron_param_counts(cfg, coords["pp"])
+                results.put((case_id, rank, coords, counts, None))
+            except Exception as exc:  # reported to the parent test, which fails with it
+                results.put((case_id, rank, coords, None, traceback.format_exc(limit=-4)))
+            parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo_world(world: int, cases: list) -> list:
+    """Build every (case_id, TrainingConfig) on a real `world`-process gloo group; one result per rank and case."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, world, port, cases, results)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    collected = [results.get(timeout=600) for _ in range(world * len(cases))]
+    for proc in procs:
+        proc.join(timeout=60)
+    return collected

@@ -1,0 +1,326 @@
+"""The C++ event core (csrc/tracealloc.cpp) through its host backend: format, exact counters, scopes, names,
+truncation, flush at exit and on signals, and the build/load paths. Real library, no mocks."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tracer import allocator as A
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Tiny independent reader (FORMATS.md 2.1); the product reader is tracer/trace_reader.py.
+REC = np.dtype([("t_ns", "<u8"), ("ptr", "<u8"), ("size", "<u8"), ("stream", "<u8"), ("scope", "<u4"),
+                ("tag", "<u4"), ("tid", "<u4"), ("device", "<i2"), ("kind", "u1"), ("flags", "u1")])
+MALLOC, FREE, MALLOC_FAIL, PUSH, POP, MARK, DEVICE_MEM = range(1, 8)
+
+
+def read_trace(path):
+    raw = Path(path).read_bytes()
+    assert raw[:8] == b"MTRACE01"
+    hdr = np.frombuffer(raw[:64], dtype=[("magic", "S8"), ("version", "<u4"), ("record_size", "<u4"),
+                                         ("t0", "<u8"), ("pid", "<u4"), ("backend", "<u4"), ("pad", "V32")])[0]
+    assert hdr["version"] == 1 and hdr["record_size"] == 48 == REC.itemsize
+    n = (len(raw) - 64) // 48  # complete records only
+    return hdr, np.frombuffer(raw[64:64 + 48 * n], dtype=REC)
+
+
+def read_names(path):
+    out = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        i, name = line.split("\t", 1)
+        out[int(i)] = name
+    return out
+
+
+def replay(recs):
+    """Live bytes in file order; a FREE of an unknown pointer is ignored, a MALLOC of a live one replaces it."""
+    live_map, live, peak = {}, 0, 0
+    for kind, ptr, size in zip(recs["kind"].tolist(), recs["ptr"].tolist(), recs["size"].tolist()):
+        if kind == MALLOC:
+            live += size - live_map.get(ptr, 0)
+            live_map[ptr] = size
+            peak = max(peak, live)
+        elif kind == FREE and ptr in live_map:
+            live -= live_map.pop(ptr)
+    return live, peak
+
+
+def run_child(code, tmp_path, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.fixture
+def trace(tmp_path):
+    prefix = tmp_path / "rank0"
+    A.open_trace(prefix, "host")
+    yield prefix
+    A.close()
+
+
+def test_header_and_record_layout(trace):
+    lib = A.lib()
+    p = lib.mt_host_malloc(123)
+    lib.mt_host_free(p, 123)
+    A.close()
+    hdr, recs = read_trace(f"{trace}.trace")
+    assert hdr["pid"] == os.getpid() and hdr["backend"] == 0
+    assert recs["kind"].tolist() == [MALLOC, FREE]
+    assert recs["ptr"].tolist() == [p, p] and recs["size"].tolist() == [123, 123]
+    assert (recs["device"] == -1).all() and (recs["stream"] == 0).all() and (recs["flags"] == 0).all()
+    assert recs["t_ns"][0] <= recs["t_ns"][1]
+
+
+def test_many_threads_exact_counts_and_peak(trace):
+    lib = A.lib()
+    n_threads, n_ops = 8, 20000
+    counts = [[0, 0] for _ in range(n_threads)]
+
+    def work(k):
+        rng = random.Random(k)
+        held = []
+        for _ in range(n_ops):
+            if held and rng.random() < 0.45:
+                p, s = held.pop(rng.randrange(len(held)))
+                lib.mt_host_free(p, s)
+                counts[k][1] += 1
+            else:
+                s = rng.randrange(1, 1 << 20)
+                held.append((lib.mt_host_malloc(s), s))
+                counts[k][0] += 1
+        # leave some live on purpose: the final live level must match too
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(n_threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    live, peak = A.live_bytes(), A.peak_bytes()
+    A.close()
+    _, recs = read_trace(f"{trace}.trace")
+    assert (recs["kind"] == MALLOC).sum() == sum(c[0] for c in counts)
+    assert (recs["kind"] == FREE).sum() == sum(c[1] for c in counts)
+    assert len(recs) == n_threads * n_ops
+    assert replay(recs) == (live, peak)
+    assert np.all(np.diff(recs["t_ns"].astype(np.int64)) >= 0), "timestamps taken under the lock are monotone"
+    assert len(set(recs["tid"].tolist())) == n_threads
+
+
+def test_native_threads_bench_trace_is_exact(trace):
+    # C++ threads with no GIL in between: the heaviest contention the core sees; crosses block flushes.
+    ns = A.lib().mt_host_bench(400_000, 8, 1)
+    assert ns > 0
+    live, peak = A.live_bytes(), A.peak_bytes()
+    A.close()
+    _, recs = read_trace(f"{trace}.trace")
+    assert len(recs) == 400_000
+    assert (recs["kind"] == MALLOC).sum() == (recs["kind"] == FREE).sum() == 200_000
+    assert live == 0 and replay(recs) == (0, peak)
+
+
+def test_bench_without_trace_refuses_logging():
+    A.close()
+    assert A.lib().mt_host_bench(1000, 1, 1) == -1.0
+    assert A.lib().mt_host_bench(1000, 1, 0) > 0
+
+
+def test_scopes_nest_and_tag_events(trace):
+    lib = A.lib()
+    ptrs = {}
+    with A.scope("iter:0") as s_iter:
+        with A.scope("fwd:0") as s_fwd:
+            ptrs["fwd"] = lib.mt_host_malloc(100)
+            with A.scope("mod:decoder.layers.0.mlp") as s_mod:
+                assert A.current_scope() == s_mod
+                ptrs["mod"] = lib.mt_host_malloc(200)
+            A.mark("mid")
+        lib.mt_host_free(ptrs["mod"], 200)
+    lib.mt_host_free(ptrs["fwd"], 100)
+    assert A.pop_scope() == 0  # empty stack: nothing to close, nothing logged
+    A.close()
+    _, recs = read_trace(f"{trace}.trace")
+    names = read_names(f"{trace}.names")
+    assert (s_iter, s_fwd, s_mod) == (1, 2, 3)
+    kinds = recs["kind"].tolist()
+    assert kinds == [PUSH, PUSH, MALLOC, PUSH, MALLOC, POP, MARK, POP, FREE, POP, FREE]
+    pushes = recs[recs["kind"] == PUSH]
+    assert pushes["size"].tolist() == [1, 2, 3]          # new instance ids
+    assert pushes["scope"].tolist() == [0, 1, 2]         # parent = current before the push
+    assert [names[t] for t in pushes["tag"].tolist()] == ["iter:0", "fwd:0", "mod:decoder.layers.0.mlp"]
+    assert recs[recs["kind"] == POP]["scope"].tolist() == [3, 2, 1]  # innermost closes first
+    assert recs[recs["kind"] == MALLOC]["scope"].tolist() == [2, 3]
+    assert recs[recs["kind"] == FREE]["scope"].tolist() == [1, 0]
+    mark = recs[recs["kind"] == MARK][0]
+    assert names[int(mark["tag"])] == "mid" and mark["scope"] == 2
+    assert (recs[(recs["kind"] != PUSH) & (recs["kind"] != MARK)]["tag"] == 0).all()  # only PUSH/MARK carry tags
+
+
+def test_names_file(trace):
+    ids = [A.intern(n) for n in ["alpha", "βeta", "alpha", "with\ttab"]]
+    assert ids[0] == ids[2] and len(set(ids)) == 3 and A.intern("") == 0
+    names = read_names(f"{trace}.names")  # written immediately, before any flush
+    assert names[0] == "" and names[ids[0]] == "alpha" and names[ids[1]] == "βeta"
+    assert names[ids[3]] == "with tab"
+    # a new trace repeats the whole table, so cached ids stay valid across open/close
+    A.close()
+    A.open_trace(trace.with_name("rank1"), "host")
+    assert read_names(trace.with_name("rank1.names"))[ids[1]] == "βeta"
+
+
+def test_unknown_free_ignored_and_reset_peak(trace):
+    lib = A.lib()
+    lib.mt_log_free(0xDEAD0, 777, -1, None)  # allocated "before tracing"
+    p = lib.mt_host_malloc(1000)
+    lib.mt_host_free(p, 1000)
+    q = lib.mt_host_malloc(10)
+    assert (A.live_bytes(), A.peak_bytes()) == (10, 1000)
+    A.reset_peak()
+    assert A.peak_bytes() == 10
+    A.close()
+    _, recs = read_trace(f"{trace}.trace")
+    assert recs["size"][0] == 777 and replay(recs) == (10, 1000)
+    assert read_names(f"{trace}.names")[int(recs[-1]["tag"])] == "reset_peak"
+    lib.mt_host_free(q, 10)
+
+
+def test_truncated_file_keeps_complete_records(trace, tmp_path):
+    lib = A.lib()
+    for i in range(100):
+        lib.mt_host_free(lib.mt_host_malloc(i + 1), i + 1)
+    A.close()
+    full = Path(f"{trace}.trace").read_bytes()
+    cut = tmp_path / "cut.trace"
+    cut.write_bytes(full[:64 + 48 * 57 + 20])  # mid-record
+    _, a = read_trace(f"{trace}.trace")
+    _, b = read_trace(cut)
+    assert len(a) == 200 and len(b) == 57 and (a[:57] == b).all()
+
+
+def test_cuda_backend_malloc_free_or_logged_failure(trace):
+    """With a GPU: a real cudaMalloc/cudaFree pair. Without one (CPU CI, even with a CUDA toolkit but no driver,
+    or no libcudart at all): nullptr and a MALLOC_FAIL record, never a crash."""
+    lib = A.lib()
+    assert lib.mt_cuda_malloc(0, 0, None) is None  # size 0: no allocation, no failure record
+    p = lib.mt_cuda_malloc(4096, 0, None)
+    if p:
+        lib.mt_cuda_free(p, 4096, 0, None)
+        assert A.device_mem(0)
+    else:
+        assert not A.device_mem(0)
+    A.close()
+    _, recs = read_trace(f"{trace}.trace")
+    if p:
+        assert recs["kind"].tolist() == [MALLOC, FREE, DEVICE_MEM] and (recs["device"] == 0).all()
+        assert replay(recs) == (0, 4096) and recs[2]["size"] >= recs[2]["ptr"] > 0  # total >= free
+    else:
+        assert recs["kind"].tolist() == [MALLOC_FAIL] and recs["size"][0] == 4096 and recs["device"][0] == 0
+
+
+def test_install_cuda_allocator_guarded_on_cpu_torch():
+    torch = pytest.importorskip("torch")
+    if hasattr(torch._C, "_cuda_customAllocator"):
+        pytest.skip("CUDA torch build")
+    with pytest.raises(RuntimeError, match="no CUDA support"):
+        A.install_cuda_allocator()
+
+
+CHILD_PRELUDE = """
+    import os, signal, sys, time
+    from tracer import allocator as A
+    A.open_trace("rank0", "host")
+    lib = A.lib()
+    with A.scope("x"):
+        for i in range(100):
+            lib.mt_host_malloc(i + 1)
+    print("ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how,rc", [("exit", 0), ("sigterm", -signal.SIGTERM), ("sigsegv", -signal.SIGSEGV),
+                                    ("sigint", None)])
+def test_flush_at_exit_and_on_signals(tmp_path, how, rc):
+    tail = {
+        "exit": "sys.exit(0)",  # no close(), no flush(): atexit must do it
+        "sigterm": "time.sleep(60)",
+        "sigsegv": "import ctypes; ctypes.string_at(0)",
+        "sigint": "time.sleep(60)",
+    }[how]
+    proc = run_child(CHILD_PRELUDE + "    " + tail + "\n", tmp_path)
+    assert proc.stdout.readline().strip() == "ready"
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    elif how == "sigint":
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if rc is None:  # SIGINT chains to Python's handler: KeyboardInterrupt, then a normal exit path
+        assert "KeyboardInterrupt" in err
+    else:
+        assert proc.returncode == rc, err
+    _, recs = read_trace(tmp_path / "rank0.trace")
+    assert recs["kind"].tolist() == [PUSH] + [MALLOC] * 100 + [POP]
+    assert replay(recs) == (5050, 5050)
+    assert read_names(tmp_path / "rank0.names")[1] == "x"
+
+
+def test_sigkill_leaves_whole_flushed_blocks(tmp_path):
+    code = """
+        import os, signal
+        from tracer import allocator as A
+        A.open_trace("rank0", "host")
+        lib = A.lib()
+        for i in range(40000):  # more than one 32768-record block
+            lib.mt_host_malloc(8)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    proc = run_child(code, tmp_path)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    size = (tmp_path / "rank0.trace").stat().st_size
+    assert (size - 64) % 48 == 0 and (size - 64) // 48 == 32768
+    _, recs = read_trace(tmp_path / "rank0.trace")
+    assert (recs["kind"] == MALLOC).all() and (recs["size"] == 8).all()
+
+
+def test_import_does_not_import_torch(tmp_path):
+    proc = run_child("import sys, tracer.allocator as A; A.lib(); print('torch' in sys.modules)", tmp_path)
+    out, err = proc.communicate(timeout=60)
+    assert out.strip() == "False", err
+
+
+def test_cached_build_is_keyed_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    out = A.build()
+    assert out.parent == tmp_path / "cache" and out.name.startswith("tracealloc-")
+    mtime = out.stat().st_mtime_ns
+    assert A.build() == out and out.stat().st_mtime_ns == mtime  # same source: no rebuild
+    assert A._abi_ok(str(out))
+
+
+def test_no_compiler_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++/c++/clang++ here
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(A.TracerBuildError, match=r"^megatron-memtrace: no C\+\+ compiler") as ei:
+        A.build()
+    assert "\n" not in str(ei.value)
+
+
+def test_setuptools_extension_is_found_first(tmp_path, monkeypatch):
+    """setup.py's optional extension builds without torch/CUDA headers and is preferred when present."""
+    res = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                          "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    built = list((tmp_path / "lib" / "tracer").glob("_tracealloc*.so"))
+    assert len(built) == 1 and A._abi_ok(str(built[0]))
+    monkeypatch.setattr(A, "_PKG_DIR", built[0].parent)
+    monkeypatch.setattr(A, "_lib_path", None)
+    assert A.library_path() == str(built[0])

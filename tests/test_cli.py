@@ -1,0 +1,106 @@
+"""The offline CLI as a user runs it: a subprocess, the example launch script, exit codes and JSON."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SED = "s%torchrun $DISTRIBUTED_ARGS pretrain_gpt.py%python get_training_info.py $DISTRIBUTED_ARGS%"
+SMALL = ("--nproc_per_node 4 --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
+         "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 --vocab-size 1000 "
+         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
+
+
+def run_cli(args, **kw):
+    return subprocess.run([sys.executable, "get_training_info.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, **kw)
+
+
+def test_sed_twin_is_exactly_the_sed_output():
+    src = os.path.join(ROOT, "examples", "pretrain_llama2_7b.sh")
+    twin = os.path.join(ROOT, "examples", "estimate_llama2_7b.sh")
+    made = subprocess.run(["sed", SED, src], capture_output=True, text=True, check=True).stdout
+    assert made == open(twin).read()
+    assert "torchrun" not in made.splitlines()[-7]  # the launch line really changed
+
+
+def test_example_script_runs_and_reports_every_section():
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    res = subprocess.run(["bash", "examples/estimate_llama2_7b.sh"], cwd=ROOT, capture_output=True, text=True,
+                         env=env)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for section in ("Model tree", "Per-GPU memory demand", "Per-rank table", "Communication per iteration",
+                    "Process groups", "Ignored"):
+        assert section in out, section
+    assert "MODELLED" in out  # the shipped set is modelled and must say so
+    # The world of the script: 2 nodes x 8 GPUs; names of the last node appear in the groups.
+    assert "n1_g7" in out
+    # Flags that do not affect memory are listed once, by name.
+    ignored = out.split("Ignored (no effect on memory or communication):")[1]
+    assert ignored.count("--lr ") == 1 and "--save-interval" in ignored
+
+
+def test_json_has_every_rank_with_coordinates_and_bytes():
+    res = run_cli(shlex.split(SMALL) + ["--json"])
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["format"] == "megatron-memtrace-estimate" and doc["version"] == 1
+    assert len(doc["ranks"]) == 4
+    for r in doc["ranks"]:
+        assert set(r["coords"]) >= {"tp", "cp", "ep", "dp", "pp"}
+        assert set(r["bytes"]) == {"parameters", "gradients", "optimizer_states", "activations", "other"}
+        assert all(isinstance(v, int) for v in r["bytes"].values())
+        assert r["peak_bytes"] >= sum(r["bytes"][c] for c in ("parameters", "gradients", "optimizer_states"))
+    assert doc["max_peak_bytes"] == max(r["peak_bytes"] for r in doc["ranks"])
+    assert doc["ranks"][doc["max_peak_rank"]]["peak_bytes"] == doc["max_peak_bytes"]
+    # Groups are lists of global ranks covering the world once per dimension.
+    for dim in ("tp", "pp", "dp", "cp"):
+        members = sorted(r for g in doc["groups"][dim] for r in g)
+        assert members == list(range(4)), dim
+    assert doc["formula_set"]["kind"] == "modelled"
+
+
+@pytest.mark.parametrize("args, message", [
+    ("--num-attention-heads 6", r"attention heads .*6.* tensor"),
+    ("--nproc_per_node 6", r"world.?size.*6"),
+    ("--global-batch-size 7", r"global batch"),
+    ("--num-layers 5", r"layers"),
+    ("--hidden-size abc", r"hidden-size"),
+    ("--formulas /nonexistent/set.json", r"set.json"),
+    ("--preset no-such-model", r"unknown preset"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    res = run_cli(shlex.split(SMALL) + shlex.split(args))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(message, err, re.IGNORECASE), err
+
+
+def test_cli_imports_no_torch_or_megatron():
+    code = ("import sys, runpy; sys.argv=['get_training_info.py'] + %r + ['--json'];\n"
+            "import io, contextlib\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: runpy.run_path('get_training_info.py', run_name='__main__')\n"
+            "    except SystemExit: pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))") % shlex.split(SMALL)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_presets_all_run():
+    from estimator.cli import presets
+    names = presets()
+    assert {"gpt3-175b", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "mixtral-8x7b",
+            "qwen2.5-72b"} <= set(names)
+    for name in names:
+        res = run_cli(["--preset", name, "--nproc_per_node", "8", "--nnodes", "8", "--json"])
+        assert res.returncode == 0, (name, res.stderr)
+        doc = json.loads(res.stdout)
+        assert doc["max_peak_bytes"] > 0

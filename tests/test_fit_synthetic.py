@@ -1,0 +1,306 @@
+"""The fit recovers known exact formulas from synthetic traces, and refuses what the data cannot determine.
+
+Traces are written in the real file format (tracer.trace_reader.write_trace) with allocation sizes computed from
+known formulas on a config grid, then go through the real parser, dataset, fit and formula-set writer; the
+estimator's loader reads the result back.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from fractions import Fraction as F
+
+import numpy as np
+import pytest
+
+from estimator.args import parse_args
+from estimator.formulas import evaluate as set_evaluate
+from estimator.formulas import load as load_set
+from estimator.formulas import variables
+from fit import basis, dataset, group, solve
+from fit.__main__ import main as fit_main
+from tracer.trace_reader import RECORD_DTYPE, write_trace
+
+mono = basis.parse_monomial
+
+
+def _e(m: str, c) -> tuple:
+    return (F(c), mono(m))
+
+
+# Known per-op formulas (bytes). Mixed e-scaled and fixed-size terms, a rational coefficient, an s*s term.
+LAYER_SAVED = [_e("s*b*h*e/st", 34), _e("s*s*b*a*e/t", 5)]
+TMP = [_e("s*b*f*e/t", 2)]
+FC1_SAVED = [_e("s*b*f*e/t", 1)]
+BWD = [_e("s*b*h*e/st", F(1, 2)), _e("h*h/t", 4)]
+OPTIM = [_e("h*f/t", 8)]
+
+
+def value(terms, cfg) -> int:
+    pt = {k: F(v) for k, v in variables(cfg).items()}
+    out = sum((c * basis.evaluate(m, pt) for c, m in terms), F(0))
+    assert out.denominator == 1
+    return int(out)
+
+
+BASE = ("--num-layers 2 --hidden-size {h} --num-attention-heads {a} --seq-length {s} --max-position-embeddings {s} "
+        "--micro-batch-size {b} --ffn-hidden-size {f} --vocab-size 128 --transformer-impl local "
+        "--tensor-model-parallel-size {t} --nproc_per_node {t}")
+
+
+def config(h=64, a=4, s=32, b=2, f=256, t=1, extra=""):
+    argv = BASE.format(h=h, a=a, s=s, b=b, f=f, t=t).split() + extra.split()
+    return parse_args(argv).to_dict(), argv
+
+
+GRID = [dict(), dict(s=64), dict(b=1), dict(h=96), dict(a=8), dict(extra="--kv-channels 32"), dict(f=192),
+        dict(t=2), dict(t=2, extra="--sequence-parallel"), dict(extra="--bf16"),
+        dict(t=2, s=64, extra="--sequence-parallel --bf16")]
+
+
+class _TraceWriter:
+    """Builds a FORMATS 2.1 event stream: scopes, mallocs and frees, in file order."""
+
+    def __init__(self):
+        self.names, self.recs, self.stack, self.next_id, self.next_ptr = [""], [], [], 1, 4096
+
+    def _tag(self, name):
+        if name not in self.names:
+            self.names.append(name)
+        return self.names.index(name)
+
+    def _rec(self, kind, ptr=0, size=0, tag=0):
+        self.recs.append((len(self.recs), ptr, size, 0, self.stack[-1] if self.stack else 0, tag, 0, -1, kind, 0))
+
+    def push(self, name):
+        self._rec(4, size=self.next_id, tag=self._tag(name))
+        self.stack.append(self.next_id)
+        self.next_id += 1
+
+    def pop(self):
+        self._rec(5)
+        self.stack.pop()
+
+    def malloc(self, size) -> int:
+        ptr, self.next_ptr = self.next_ptr, self.next_ptr + size + 64
+        self._rec(1, ptr=ptr, size=size)
+        return ptr
+
+    def free(self, ptr, size):
+        self._rec(2, ptr=ptr, size=size)
+
+    def records(self):
+        return np.array(self.recs, dtype=RECORD_DTYPE)
+
+
+def write_run(path, cfg, argv, recompute_extra=0):
+    """Two iterations x two microbatches x two layers; iteration 0 carries warm-up garbage the fit must skip."""
+    w = _TraceWriter()
+    saved, tmp, fc1 = value(LAYER_SAVED, cfg) + recompute_extra, value(TMP, cfg), value(FC1_SAVED, cfg)
+    for it in range(2):
+        w.push(f"iter:{it}")
+        held = {}
+        for mb in range(2):
+            w.push(f"fwd:{mb}")
+            for layer in range(2):
+                w.push(f"mod:decoder.layers.{layer}")
+                held[mb, layer] = [(w.malloc(saved + (1000 if it == 0 else 0)), saved + (1000 if it == 0 else 0))]
+                p = w.malloc(tmp)
+                w.free(p, tmp)
+                w.push(f"mod:decoder.layers.{layer}.mlp.linear_fc1")
+                held[mb, layer].append((w.malloc(fc1), fc1))
+                w.pop()
+                w.pop()
+            w.pop()
+            w.push(f"bwd:{mb}")
+            for layer in (1, 0):
+                w.push(f"bwdlayer:decoder.layers.{layer}")
+                g = value(BWD, cfg)
+                p = w.malloc(g)
+                w.free(p, g)
+                for ptr, size in held.pop((mb, layer)):
+                    w.free(ptr, size)
+                w.pop()
+            w.pop()
+        w.push("optim")
+        o = value(OPTIM, cfg)
+        p = w.malloc(o)
+        w.free(p, o)
+        w.pop()
+        w.pop()
+    path.mkdir(parents=True, exist_ok=True)
+    header = {"format": "megatron-memtrace", "version": 1, "rank": 0, "world_size": 1, "config": cfg,
+              "argv": argv, "device": "synthetic", "backend": "host",
+              "versions": {"torch": "n/a", "megatron_core": "n/a"}, "iterations": 2, "target": "harness"}
+    write_trace(str(path / "rank0"), w.records(), w.names, header=header)
+
+
+@pytest.fixture(scope="module")
+def grid_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic")
+    dirs = []
+    for i, kw in enumerate(GRID):
+        cfg, argv = config(**kw)
+        write_run(root / f"c{i:02d}", cfg, argv)
+        dirs.append(str(root / f"c{i:02d}"))
+    return root, dirs
+
+
+def _by_op(formulas):
+    return {f.op: f for f in formulas}
+
+
+def test_recovers_known_formulas_from_synthetic_traces(grid_dirs):
+    _, dirs = grid_dirs
+    runs, samples = dataset.load(dirs)
+    assert len(runs) == len(GRID)
+    fits = _by_op(group.fit_all(samples))
+    layer = fits["layers.*"]
+    assert layer.ok, layer.refused
+    assert layer.fits["saved"].terms == LAYER_SAVED          # warm-up iteration 0 (+1000 B) was ignored
+    assert sorted(layer.fits["fwd_peak"].terms) == sorted(LAYER_SAVED + TMP)
+    assert layer.fits["bwd_peak"].terms == BWD                # rational 1/2 and a bare (fp32-sized) term
+    assert layer.per == "layer"
+    # dtype and sp enter through e and st: one formula spans both values, so `when` does not pin them.
+    assert "dtype" not in layer.when and "sp" not in layer.when
+    assert layer.when["attention"] == "unfused"
+    fc1 = fits["layers.*.mlp.linear_fc1"]
+    assert fc1.fits["saved"].terms == FC1_SAVED and "bwd_peak" not in fc1.fits
+    assert fits["optimizer"].fits["fwd_peak"].terms == OPTIM and fits["optimizer"].per == "model"
+    for f in fits.values():
+        for fit in f.fits.values():
+            assert fit.exact and fit.max_abs_residual == 0
+            assert fit.loo_max_rel_err is None or fit.loo_max_rel_err < 1e-9
+
+
+def test_cli_writes_a_set_the_estimator_predicts_unseen_configs_with(grid_dirs, tmp_path, capsys):
+    root, _ = grid_dirs
+    out = tmp_path / "synthetic.json"
+    assert fit_main([str(root), "-o", str(out), "--name", "synthetic", "--no-loo"]) == 0
+    printed = capsys.readouterr().out
+    assert "34*s*b*h*e/st + 5*s*s*b*a*e/t" in printed
+    fset = load_set(str(out))
+    assert fset.kind == "fitted" and fset.name == "synthetic"
+    assert len(fset.provenance["traces"]) == len(GRID)
+    # An unseen config: bigger everything, TP 4 with SP, bf16.
+    cfg, _ = config(h=256, a=16, s=128, b=4, f=1024, t=4, extra="--sequence-parallel --bf16")
+    saved, fwd, bwd = set_evaluate(fset, "layers.*", cfg)
+    assert (saved, fwd, bwd) == (value(LAYER_SAVED, cfg), value(LAYER_SAVED + TMP, cfg), value(BWD, cfg))
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fit", str(tmp_path / "missing"), "-o", str(tmp_path / "x.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "not a directory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_refuses_when_tp_never_varies(tmp_path):
+    dirs = []
+    for i, kw in enumerate(g for g in GRID if "t" not in g):
+        cfg, argv = config(**kw)
+        write_run(tmp_path / f"c{i}", cfg, argv)
+        dirs.append(str(tmp_path / f"c{i}"))
+    _, samples = dataset.load(dirs)
+    layer = group.fit_op("layers.*", [s for s in samples if s.op == "layers.*"], loo=False)
+    assert not any(f.ok for f in layer)
+    assert "ambiguous" in layer[0].refused["saved"] and "vary t (always 1 here" in layer[0].refused["saved"]
+
+
+def _pts(rows):
+    """Points from (s, b, h, a, d, t, e) rows; the other variables at a dense fp32 layout's values."""
+    keys = ("s", "b", "h", "a", "d", "t", "e")
+    rest = dict(st=1, f=256, v=128, E=0, k=2, fe=256, fs=0, cp=1, ep=1)
+    return [{**{k: F(v) for k, v in rest.items()}, **{k: F(v) for k, v in zip(keys, r)},
+             "g": F(r[3]), "etp": F(r[5])} for r in rows]
+
+
+def test_refuses_collinear_features_and_names_the_ratio():
+    # kv_channels is always h/heads here, so a*d and h cannot be told apart.
+    pts = _pts([(32, 2, 64, 4, 16, 1, 4), (64, 2, 64, 4, 16, 1, 4), (32, 1, 96, 4, 24, 1, 4),
+                (32, 2, 64, 8, 8, 2, 4), (16, 4, 128, 2, 64, 1, 2)])
+    cands = [mono("s*b*a*d*e/t"), mono("s*b*h*e/t")]
+    ys = [int(3 * p["s"] * p["b"] * p["a"] * p["d"] * p["e"] / p["t"]) for p in pts]
+    with pytest.raises(solve.FitRefused, match=r"ambiguous.*vary a\*d/h \(always 1 here\)"):
+        solve.fit_group(pts, ys, cands)
+
+
+def test_refuses_too_few_configs():
+    pts = _pts([(32, 2, 64, 4, 16, 1, 4), (64, 2, 64, 4, 16, 1, 4)])
+    cands = [mono("s*b*h*e"), mono("s*s*b*a*e")]
+    ys = [int(p["s"] * p["b"] * p["h"] * p["e"] + p["s"] ** 2 * p["b"] * p["a"] * p["e"]) for p in pts]
+    with pytest.raises(solve.FitRefused, match=r"at most 1 term\(s\) from 2 config\(s\).*vary .*h \(--hidden-size\)"):
+        solve.fit_group(pts, ys, cands)
+    with pytest.raises(solve.FitRefused, match="underdetermined: 1 config"):
+        solve.fit_group(pts[:1], ys[:1], cands)
+
+
+def test_rational_snapping_and_inexact_data():
+    rows = [(30, 1, 64, 1, 4), (60, 2, 64, 1, 4), (90, 1, 96, 2, 2), (30, 4, 128, 2, 4), (60, 3, 32, 1, 2)]
+    pts = _pts([(s, b, h, 4, h // 4, t, e) for s, b, h, t, e in rows])
+    cands = basis.candidates("layers.*.mlp.linear_fc2")
+    ys = [int(F(7, 3) * p["s"] * p["b"] * p["h"] * p["e"] + 12) for p in pts]
+    # Without sequence parallelism (st pinned to 1), s*b*h*e/st and s*b*h*e are the same formula.
+    fit = solve.fit_group(pts, ys, cands, fixed={"st"})
+    assert fit.terms == [(F(7, 3), mono("s*b*h*e/st")), (F(12), ())] and fit.exact
+    # One byte off on one config: no exact sparse formula exists; refused unless a tolerance is given.
+    noisy = ys[:-1] + [ys[-1] + 1]
+    with pytest.raises(solve.FitRefused, match="no exact fit"):
+        solve.fit_group(pts, noisy, cands, fixed={"st"}, max_terms=4)
+    approx = solve.fit_group(pts, noisy, cands, fixed={"st"}, max_terms=4, tolerance=1e-3)
+    assert not approx.exact and 0 < approx.max_rel_residual < 1e-3
+
+
+def test_switch_that_changes_the_formula_splits_it(tmp_path):
+    dirs = []
+    for i, kw in enumerate(GRID):
+        for rc in ("", " --recompute-granularity selective"):
+            cfg, argv = config(**{**kw, "extra": kw.get("extra", "") + rc})
+            extra = value([_e("s*b*h*e/st", 2)], cfg) if rc else 0
+            d = tmp_path / f"c{i}{'r' if rc else ''}"
+            write_run(d, cfg, argv, recompute_extra=extra)
+            dirs.append(str(d))
+    _, samples = dataset.load(dirs)
+    parts = group.fit_op("layers.*", [s for s in samples if s.op == "layers.*"], loo=False)
+    by_rc = {f.when.get("recompute"): f.fits["saved"].terms for f in parts}
+    assert by_rc == {"none": LAYER_SAVED, "selective": [_e("s*b*h*e/st", 36), _e("s*s*b*a*e/t", 5)]}
+
+
+def test_transient_peak_falls_back_to_an_upper_bound_that_never_under_predicts():
+    # A peak is a max over allocation patterns: here max(4*s*b*h*e, s*s*b*a*e) is no polynomial.
+    rows = [(s, b, h, a, h // a, 1, e) for s, b, h, a, e in
+            [(16, 2, 64, 4, 4), (32, 2, 64, 4, 4), (64, 1, 64, 4, 2), (128, 1, 96, 4, 4), (48, 3, 128, 8, 2),
+             (96, 2, 64, 2, 4)]]
+    pts = _pts(rows)
+    ys = [int(max(4 * p["s"] * p["b"] * p["h"] * p["e"], p["s"] ** 2 * p["b"] * p["a"] * p["e"])) for p in pts]
+    cands = basis.candidates("layers.*.self_attention.core_attention")
+    with pytest.raises(solve.FitRefused, match="no exact fit"):
+        solve.fit_group(pts, ys, cands, fixed={"st"})
+    fit = solve.fit_group(pts, ys, cands, fixed={"st"}, bound=1.0)
+    assert not fit.exact and any("upper bound" in n for n in fit.notes)
+    assert all(fit.predict(p) >= y for p, y in zip(pts, ys))
+    assert all(c > 0 and c.denominator <= 1024 for c, _ in fit.terms)
+
+
+@pytest.mark.parametrize("grid", ["ci_tiny", "cpu_local"])
+def test_shipped_grids_are_valid_megatron_configs(grid):
+    from fit.campaign import load_grid
+    spec, configs = load_grid(f"fit/grids/{grid}.json")
+    assert spec["name"] == grid and len({c.name for c in configs}) == len(configs)
+    for c in configs:
+        cfg = parse_args(c.argv + ["--nproc_per_node", str(c.nproc)])   # Megatron's validation, our parser
+        assert c.nproc % (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size) == 0
+    if grid == "cpu_local":  # the design varies every dense shape variable and every switch the set covers
+        pts = [variables(parse_args(c.argv + ["--nproc_per_node", str(c.nproc)]).to_dict()) for c in configs]
+        for v in ("s", "b", "h", "f", "a", "g", "d", "v", "t", "st", "e", "E", "k", "ep"):
+            assert len({p[v] for p in pts}) > 1, v
+
+
+def test_campaign_refuses_to_mix_into_an_existing_run_without_resume(tmp_path):
+    from fit.campaign import GridError, run_campaign
+    (tmp_path / "base").mkdir()
+    with pytest.raises(GridError, match="pass --resume"):
+        run_campaign("fit/grids/ci_tiny.json", str(tmp_path), resume=False)
+    with pytest.raises(GridError, match="incomplete"):
+        run_campaign("fit/grids/ci_tiny.json", str(tmp_path), resume=True)

@@ -1,0 +1,93 @@
+import json
+from fractions import Fraction
+
+import pytest
+
+from estimator import formulas as F
+
+LAYER_OPS = ["layers.*.input_layernorm", "layers.*.self_attention.linear_qkv", "layers.*.self_attention.core_attention",
+             "layers.*.self_attention.linear_proj", "layers.*.self_attention", "layers.*", "layers.*.pre_mlp_layernorm",
+             "layers.*.mlp.linear_fc1", "layers.*.mlp", "layers.*.mlp.linear_fc2"]
+
+
+def cfg(**kw):
+    base = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=2,
+                padded_vocab_size=512, transformer_impl="local", hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kw)
+    return base
+
+
+def layer_saved(c):
+    s = F.load("modelled")
+    sw, env = F.switches(c), F.variables(c)
+    return sum(F.select(s, op, sw).evaluate(env)[0] for op in LAYER_OPS)
+
+
+def test_shipped_set_loads_and_is_modelled():
+    s = F.load("modelled")
+    assert s.kind == "modelled" and "Korthikanti" in s.description and len(s.formulas) > 40
+
+
+def test_local_fp32_matches_cpu_measurement():
+    # DESIGN 7: local spec, fp32, no dropout saves e*(16sbh + a s^2 b) per layer (norm statistics are the rest)
+    c = cfg()
+    s_, b, h, a = 128, 2, 256, 8
+    ref = 4 * (16 * s_ * b * h + a * s_ * s_ * b)
+    assert ref <= layer_saved(c) <= ref * 1.003
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_korthikanti_structure_16bit(t):
+    # 16-bit with dropout: sbh(10 + 24/t) without SP and 34 sbh/t with SP (hidden terms; s^2 terms use fp32 softmax)
+    s_, b, h = 128, 2, 256
+    kw = dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=t)
+    no_s2 = lambda c: layer_saved(c) - (7 * 8 * s_ * s_ * b / t) - 2 * 8 * s_ * b / (t if c.get("sequence_parallel") else 1)
+    assert no_s2(cfg(**kw)) == pytest.approx(s_ * b * h * (10 + 24 / t))
+    assert no_s2(cfg(sequence_parallel=True, **kw)) == pytest.approx(34 * s_ * b * h / t)
+
+
+def test_select_most_specific_and_switches():
+    s = F.load("modelled")
+    fo = F.select(s, "layers.*.self_attention.core_attention", cfg(recompute_granularity="selective"))
+    assert dict(fo.when)["recompute"] == "selective"
+    assert F.switches(cfg(transformer_impl="transformer_engine"))["attention"] == "flash"
+    assert F.switches(cfg(num_query_groups=2))["gqa"]
+    flash = cfg(transformer_impl="transformer_engine")
+    assert F.evaluate(s, "layers.*.self_attention.core_attention", flash)[0] < \
+        F.evaluate(s, "layers.*.self_attention.core_attention", cfg())[0]
+
+
+def _doc(**over):
+    d = {"format": F.FORMAT, "version": 1, "name": "x", "kind": "fitted", "description": "", "provenance": {},
+         "formulas": [{"op": "embedding", "per": "model", "when": {"sp": True},
+                       "saved": [{"coef": "3/2", "vars": {"s": 1, "t": -1}}]}]}
+    d.update(over)
+    return d
+
+
+def test_rational_coefficients_exact(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps(_doc()))
+    s = F.load(str(p))
+    assert s.formulas[0].saved[0].coef == Fraction(3, 2)
+    assert F.evaluate(s, "embedding", cfg(sequence_parallel=True, tensor_model_parallel_size=2))[0] == 96.0  # 3/2 * s(128) / t(2)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(format="nope"), "format"), (dict(version=9), "version"), (dict(kind="guess"), "kind"),
+    (dict(formulas=[{"op": "x", "per": "layer", "saved": [{"coef": 1, "vars": {"zz": 1}}]}]), "unknown variable"),
+    (dict(formulas=[{"op": "x", "per": "layer", "when": {"sp": "yes"}}]), "switch"),
+    (dict(formulas=[{"op": "x", "per": "layer", "saved": [{"coef": "1/0"}]}]), "coef"),
+    (dict(formulas=[{"op": "x", "per": "layer", "saved": [{"coef": 1, "vars": {"s": 1.5}}]}]), "exponent"),
+    (dict(formulas=[{"op": "x", "per": "oops"}]), "per"),
+])
+def test_malformed_files_give_clear_errors(tmp_path, bad, msg):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(_doc(**bad)))
+    with pytest.raises(F.FormulaError, match=msg):
+        F.load(str(p))
+
+
+def test_unknown_set_name():
+    with pytest.raises(F.FormulaError, match="shipped"):
+        F.load("no-such-set")

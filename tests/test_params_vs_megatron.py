@@ -1,0 +1,98 @@
+"""Per-rank, per-op parameter counts of estimator.model == megatron-core's own GPTModel, built on CPU.
+
+One spawn of 4 real gloo processes builds every case below (initialize_model_parallel per case), so each rank's
+model is the one megatron-core builds for that rank's coordinates: TP/EP shards, PP stages incl. uneven first/last
+and virtual stages, the tied embedding copy on the last stage.
+"""
+import shlex
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from conftest import run_on_gloo_world  # noqa: E402
+from estimator.args import parse_args  # noqa: E402
+from estimator.model import rank_params  # noqa: E402
+
+WORLD = 4
+BASE = (f"--nproc_per_node {WORLD} --seq-length 32 --max-position-embeddings 64 --micro-batch-size 1 "
+        "--hidden-size 64 --num-attention-heads 8 --vocab-size 1000 --transformer-impl local ")
+
+CASES = {
+    # GPT-2 style: gelu, LayerNorm, biases, learned positions, tied; vocab 1000 pads to 1024 (128 x TP2)
+    "gpt_tp2_pp2_tied": "--num-layers 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    # Llama style: swiglu, RMSNorm, rope, no biases, untied, GQA, qk-layernorm
+    "llama_gqa_tp2_pp2": "--num-layers 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                         "--disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention "
+                         "--num-query-groups 2 --qk-layernorm --tensor-model-parallel-size 2 "
+                         "--pipeline-model-parallel-size 2",
+    # Qwen2 style: QKV bias only, GQA with groups == TP, odd ffn
+    "qwen_qkv_bias_tp4": "--num-layers 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                         "--disable-bias-linear --add-qkv-bias --group-query-attention --num-query-groups 4 "
+                         "--ffn-hidden-size 96 --untie-embeddings-and-output-weights --tensor-model-parallel-size 4",
+    # uneven first/last stages, tied (last stage holds the embedding copy)
+    "uneven_pp4": "--num-layers 7 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+                  "--decoder-last-pipeline-num-layers 2",
+    # interleaved: 2 virtual stages per rank
+    "vpp2_tp2_pp2": "--num-layers 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                    "--num-layers-per-virtual-pipeline-stage 2 --swiglu --normalization RMSNorm "
+                    "--position-embedding-type rope",
+    # uneven + interleaved
+    "uneven_vpp2_pp4": "--num-layers 12 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+                       "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 2",
+    # embedding and loss counted as pipeline layers
+    "account_embedding_loss_pp4": "--num-layers 6 --pipeline-model-parallel-size 4 "
+                                  "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+    # MoE: EP4, shared experts, a dense layer in the pattern, swiglu, no biases
+    "moe_ep4_shared": "--num-layers 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                      "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+                      "--moe-shared-expert-intermediate-size 48 --moe-layer-freq [1,0,1,1] "
+                      "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall",
+    # MoE: TP2 with EP2 and expert-TP1, gelu with biases (router bias too), every 2nd layer MoE
+    "moe_tp2_ep2_etp1": "--num-layers 4 --num-experts 4 --moe-layer-freq 2 --tensor-model-parallel-size 2 "
+                        "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+                        "--moe-token-dispatcher-type alltoall",
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_results():
+    cases = [(case_id, parse_args(shlex.split(BASE + argv))) for case_id, argv in CASES.items()]
+    return dict(cases), run_on_gloo_world(WORLD, cases)
+
+
+def _estimated(cfg, pp_rank):
+    counts = {}
+    for op in rank_params(cfg, pp_rank).ops:
+        counts[(op.op, op.layer)] = counts.get((op.op, op.layer), 0) + op.numel
+    return counts
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_rank_params_equal_megatron(megatron_results, case_id):
+    configs, results = megatron_results
+    cfg = configs[case_id]
+    ranks = [r for r in results if r[0] == case_id]
+    assert len(ranks) == WORLD
+    for _, rank, coords, measured, error in ranks:
+        assert error is None, f"rank {rank}: megatron-core failed to build: {error}"
+        estimated = _estimated(cfg, coords["pp"])
+        assert estimated == measured, f"rank {rank} {coords}"
+        assert rank_params(cfg, coords["pp"]).total == sum(measured.values())
+
+
+def test_expert_params_are_the_expert_ops(megatron_results):
+    configs, _ = megatron_results
+    cfg = configs["moe_ep4_shared"]
+    stage = rank_params(cfg, 0)
+    expert_ops = {op.op for op in stage.ops if op.is_expert}
+    assert expert_ops == {"layers.*.mlp.experts.linear_fc1", "layers.*.mlp.experts.linear_fc2"}
+    assert stage.expert + stage.dense == stage.total
+
+
+def test_tied_copy_only_on_last_stage(megatron_results):
+    configs, _ = megatron_results
+    cfg = configs["gpt_tp2_pp2_tied"]
+    last = [op for op in rank_params(cfg, 1).ops if op.op == "output_layer"]
+    assert len(last) == 1 and last[0].shared_embedding
+    assert not [op for op in rank_params(cfg, 0).ops if op.op == "output_layer"]

@@ -1,0 +1,321 @@
+"""Built-in megatron-core training harness driven by a `TrainingConfig` (the same Megatron-LM flags).
+
+Builds what Megatron-LM's pretrain_gpt.py builds, with megatron-core only: GPTModel (local spec, or the TE spec
+when Transformer Engine is importable and selected), MoE, mock data, DDP, the Megatron optimizer (distributed or
+not), `get_forward_backward_func()` (no pipelining / 1F1B / interleaved), recompute; then runs N iterations.
+torch.distributed must already be initialised (tracer.profile does it). Scopes come from tracer.scopes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from tracer import scopes
+
+# Flags the harness needs that TrainingConfig does not carry (it lists them in `ignored_args`).
+# dest -> (flag, type, default); defaults are Megatron-LM's, except lr (Megatron has none).
+_EXTRA_FLAGS = {
+    "lr": ("--lr", float, 1e-3),
+    "min_lr": ("--min-lr", float, 0.0),
+    "seed": ("--seed", int, 1234),
+    "weight_decay": ("--weight-decay", float, 0.01),
+    "clip_grad": ("--clip-grad", float, 1.0),
+    "adam_beta1": ("--adam-beta1", float, 0.9),
+    "adam_beta2": ("--adam-beta2", float, 0.999),
+    "adam_eps": ("--adam-eps", float, 1e-8),
+    "sgd_momentum": ("--sgd-momentum", float, 0.9),
+    "init_method_std": ("--init-method-std", float, 0.02),
+    "loss_scale": ("--loss-scale", float, None),
+    "initial_loss_scale": ("--initial-loss-scale", float, 2.0 ** 32),
+    "min_loss_scale": ("--min-loss-scale", float, 1.0),
+    "loss_scale_window": ("--loss-scale-window", float, 1000),
+    "hysteresis": ("--hysteresis", int, 2),
+    "use_cpu_initialization": ("--use-cpu-initialization", bool, False),
+}
+
+
+def extra_flags(ignored_args: list[str]) -> dict:
+    """Values of the harness-only flags (see _EXTRA_FLAGS) found among TrainingConfig.ignored_args."""
+    by_flag = {flag: (dest, typ) for dest, (flag, typ, _) in _EXTRA_FLAGS.items()}
+    out = {dest: default for dest, (_, _, default) in _EXTRA_FLAGS.items()}
+    toks = list(ignored_args)
+    for i, tok in enumerate(toks):
+        flag, eq, inline = tok.partition("=")
+        if flag not in by_flag:
+            continue
+        dest, typ = by_flag[flag]
+        if typ is bool:
+            out[dest] = True
+            continue
+        raw = inline if eq else (toks[i + 1] if i + 1 < len(toks) else None)
+        if raw is None:
+            raise ValueError(f"argument {flag}: expected one argument")
+        try:
+            out[dest] = typ(raw)
+        except ValueError:
+            raise ValueError(f"argument {flag}: invalid {typ.__name__} value: {raw!r}") from None
+    return out
+
+
+@dataclass
+class HarnessResult:
+    losses: list                    # mean lm loss per iteration (last pipeline stage), else None entries
+    coords: dict                    # {"tp","cp","ep","dp","pp"} of this rank
+    iteration_seconds: list = field(default_factory=list)
+    skipped_iterations: int = 0     # fp16 loss-scale skips
+
+
+def _dtype(cfg) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.params_dtype, torch.float32)
+
+
+def _use_te(cfg) -> bool:
+    if cfg.transformer_impl != "transformer_engine" or not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def init_parallel(cfg, seed: int) -> None:
+    """megatron parallel_state + seeds, as Megatron-LM's initialize_megatron does."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+            context_parallel_size=cfg.context_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
+    # Megatron-LM's _set_random_seed: offset by pipeline rank so stages differ.
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def coords() -> dict:
+    from megatron.core import parallel_state as ps
+    return {"tp": ps.get_tensor_model_parallel_rank(), "cp": ps.get_context_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_rank()}
+
+
+def transformer_config(cfg, extra: dict):
+    """TransformerConfig from the TrainingConfig, the way Megatron-LM's core_transformer_config_from_args does."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in known and v is not None}
+    kw.update(
+        num_query_groups=cfg.num_query_groups if cfg.group_query_attention else None,
+        num_moe_experts=cfg.num_experts,
+        params_dtype=_dtype(cfg),
+        pipeline_dtype=_dtype(cfg),
+        gated_linear_unit=cfg.swiglu,
+        activation_func=F.silu if cfg.swiglu else F.gelu,
+        init_method_std=extra["init_method_std"],
+        deallocate_pipeline_outputs=True,
+        batch_p2p_comm=not cfg.overlap_p2p_comm,
+        overlap_p2p_comm=bool(cfg.overlap_p2p_comm and cfg.virtual_pipeline_model_parallel_size),
+        use_cpu_initialization=extra["use_cpu_initialization"] or on_cpu(),
+        persist_layer_norm=False,
+    )
+    if on_cpu():
+        # No fused CUDA kernels on CPU; the unfused paths are what the local spec runs anyway.
+        kw.update(bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                  apply_rope_fusion=False, gradient_accumulation_fusion=False, moe_permute_fusion=False)
+        # gloo sends read their buffer asynchronously, while the interleaved schedule's overlapped p2p frees
+        # (deallocate_pipeline_outputs) the sent output right away: the peer then receives garbage (NaN loss).
+        kw.update(overlap_p2p_comm=False, batch_p2p_comm=True)
+    else:
+        kw.update(bias_activation_fusion=False, gradient_accumulation_fusion=False)
+    if not cfg.is_moe:
+        for k in [k for k in kw if k.startswith("moe_")]:
+            kw.pop(k)
+        kw.pop("num_moe_experts")
+    return TransformerConfig(**{k: v for k, v in kw.items() if k in known or k == "num_moe_experts"})
+
+
+def _layer_spec(cfg, tconfig, vp_stage):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    te = _use_te(cfg)
+    if cfg.is_moe:
+        return specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te,
+                                                normalization=cfg.normalization, vp_stage=vp_stage)
+    if te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(None, False, cfg.qk_layernorm)
+    return specs.get_gpt_layer_local_spec(None, False, cfg.qk_layernorm, normalization=cfg.normalization)
+
+
+def build_model(cfg, tconfig) -> list:
+    """One GPTModel per virtual pipeline chunk, wrapped like Megatron-LM: Float16Module, then DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    vp = cfg.virtual_pipeline_model_parallel_size
+    with scopes.scope("setup:model"):
+        chunks = [_gpt_model(cfg, tconfig, i if vp else None) for i in range(vp or 1)]
+        if cfg.bf16 or cfg.fp16:
+            chunks = [Float16Module(tconfig, m) for m in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
+        use_distributed_optimizer=cfg.use_distributed_optimizer)
+    with scopes.scope("setup:ddp"):   # DDP allocates the contiguous main_grad buffers
+        return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+                for i, m in enumerate(chunks)]
+
+
+def _gpt_model(cfg, tconfig, stage):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=tconfig, transformer_layer_spec=_layer_spec(cfg, tconfig, stage),
+        vocab_size=cfg.padded_vocab_size, max_sequence_length=cfg.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type, rotary_percent=cfg.rotary_percent,
+        vp_stage=stage)
+
+
+def build_optimizer(cfg, extra: dict, model: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    oc = OptimizerConfig(
+        optimizer=cfg.optimizer, lr=extra["lr"], min_lr=extra["min_lr"], weight_decay=extra["weight_decay"],
+        adam_beta1=extra["adam_beta1"], adam_beta2=extra["adam_beta2"], adam_eps=extra["adam_eps"],
+        sgd_momentum=extra["sgd_momentum"], fp16=cfg.fp16, bf16=cfg.bf16, params_dtype=_dtype(cfg),
+        loss_scale=extra["loss_scale"], initial_loss_scale=extra["initial_loss_scale"],
+        min_loss_scale=extra["min_loss_scale"], loss_scale_window=extra["loss_scale_window"],
+        hysteresis=extra["hysteresis"], clip_grad=extra["clip_grad"],
+        use_distributed_optimizer=cfg.use_distributed_optimizer, overlap_param_gather=cfg.overlap_param_gather)
+    return get_megatron_optimizer(oc, model)
+
+
+def mock_batches(cfg, seed: int, iteration: int, num_microbatches: int):
+    """Deterministic learnable mock data: each sample counts up from a random start (next token = token + 1).
+    Samples depend only on their index in the global batch, so TP/PP layouts see identical data, DP ranks disjoint
+    data, and every iteration the same global batch (a falling loss then shows that training works)."""
+    from megatron.core import parallel_state as ps
+
+    s, b, v = cfg.seq_length, cfg.micro_batch_size, cfg.vocab_size or cfg.padded_vocab_size
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    # Megatron's GPT datasets build a [b, 1, s, s] causal mask (True = masked out).
+    mask = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s).expand(b, 1, s, s)
+    for mb in range(num_microbatches):
+        first = (mb * dp + dp_rank) * b
+        g = torch.Generator().manual_seed(seed * 1_000_003 + first)
+        starts = torch.randint(0, v, (b, 1), generator=g)
+        seq = (starts + torch.arange(s + 1).unsqueeze(0)) % v
+        yield {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
+               "loss_mask": torch.ones(b, s), "attention_mask": mask, "position_ids": position_ids}
+
+
+def _to_device(batch: dict) -> dict:
+    if on_cpu():
+        return batch
+    dev = torch.cuda.current_device()
+    return {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+
+
+def loss_func(loss_mask, output_tensor):
+    # Megatron's pretrain_gpt loss, averaged over tokens of the microbatch.
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: the schedule divides the returned loss in place by the number of microbatches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    batch = _to_device(next(data_iterator))
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    # The cross entropy runs inside GPTModel (compute_language_model_loss, scoped `loss` by tracer.scopes).
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _mean_loss(losses_reduced: list):
+    """Mean lm loss over microbatches and data-parallel ranks (as Megatron-LM reports it); last stage only."""
+    from megatron.core import parallel_state as ps
+    if not losses_reduced:
+        return None
+    loss = torch.stack([d["lm loss"] for d in losses_reduced]).mean()
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return float(loss) / ps.get_data_parallel_world_size()
+
+
+def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> HarnessResult:
+    """Set up the model and optimizer, then train `iterations` iterations with iter/fwd/bwd/... scopes."""
+    import time
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import distributed as mdist
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    extra = extra if extra is not None else extra_flags(cfg.ignored_args)
+    scopes.patch_megatron()
+    # Setup: weights, DDP grad buffers and optimizer state are allocated here (before the setup_done mark);
+    # setup:* scopes let the parser tell them apart.
+    init_parallel(cfg, extra["seed"])
+    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        init_num_microbatches_calculator(torch.distributed.get_rank(), None, cfg.global_batch_size,
+                                         cfg.micro_batch_size, ps.get_data_parallel_world_size())
+    tconfig = transformer_config(cfg, extra)
+    model = build_model(cfg, tconfig)
+    with scopes.scope("setup:optimizer"):
+        optimizer = scopes.wrap_optimizer(build_optimizer(cfg, extra, model))
+    tconfig.grad_scale_func = optimizer.scale_loss
+    # patch_megatron() already scoped megatron.core.distributed.finalize_model_grads as `grad_sync`.
+    tconfig.finalize_model_grads_func = mdist.finalize_model_grads
+    if cfg.overlap_grad_reduce:
+        nsf = [m.no_sync for m in model]
+        tconfig.no_sync_func = nsf[0] if len(nsf) == 1 else nsf
+    scopes.mark("setup_done")
+    result = HarnessResult(losses=[], coords=coords())
+    if on_setup is not None:
+        on_setup(result)
+
+    fwd_bwd = get_forward_backward_func()
+    nmb = cfg.num_microbatches
+    for it in range(iterations):
+        t0 = time.perf_counter()
+        scopes.new_iteration()
+        with scopes.scope(f"iter:{it}"):
+            for m in model:
+                m.train()
+                m.zero_grad_buffer()
+            optimizer.zero_grad()
+            data = [iter(list(mock_batches(cfg, extra["seed"], it, nmb))) for _ in model]
+            losses = fwd_bwd(forward_step_func=forward_step,
+                             data_iterator=data if len(model) > 1 else data[0],
+                             model=model if len(model) > 1 else model[0],
+                             num_microbatches=nmb, seq_length=cfg.seq_length,
+                             micro_batch_size=cfg.micro_batch_size, forward_only=False)
+            ok, _grad_norm, _ = optimizer.step()
+        scopes.mark(f"iter_end:{it}")
+        result.skipped_iterations += 0 if ok else 1
+        result.losses.append(_mean_loss(losses) if ps.is_pipeline_last_stage(ignore_virtual=True) else None)
+        result.iteration_seconds.append(time.perf_counter() - t0)
+    return result

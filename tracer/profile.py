@@ -1,0 +1,438 @@
+"""Profiling launcher: run a few real Megatron iterations with the tracing allocator, one trace per rank.
+
+    python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N]
+                             [--target harness|PATH/TO/pretrain_gpt.py] [--] <Megatron-LM flags>
+
+GPU: run it under torchrun (`torchrun $DISTRIBUTED_ARGS -m tracer.profile ...`); started without torchrun it
+re-launches itself through torch.distributed.run with the torchrun flags found on its command line.
+`--cpu`: spawns N gloo processes itself (N = --nproc, else --nproc_per_node, else 1).
+Each rank writes `<out>/rank<R>.trace`, `.names` and `.json` (docs/FORMATS.md 2.4).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+USAGE = ("usage: python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N] "
+         "[--target harness|PATH/TO/pretrain_gpt.py] [--] <Megatron-LM flags>")
+_TORCHRUN = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
+             "--master_addr", "--master-addr", "--master_port", "--master-port"}
+_WORKER_ENV = "MEMTRACE_WORKER"
+
+
+class UsageError(ValueError):
+    """Bad launcher options; printed as one line, exit code 2."""
+
+
+class _Help(Exception):
+    pass
+
+
+@dataclass
+class Options:
+    cpu: bool = False
+    nproc: int | None = None
+    out: str = "memtrace_out"
+    iterations: int = 3
+    target: str = "harness"
+    flags: list = field(default_factory=list)   # the Megatron-LM (and torchrun) flags
+
+    @property
+    def is_harness(self) -> bool:
+        return self.target == "harness"
+
+
+def parse_options(argv: list[str]) -> Options:
+    """Launcher options anywhere before `--`; everything else (and all after `--`) is Megatron's."""
+    opts = Options()
+    rest: list[str] = []
+    i, argv = 0, list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        if tok == "--":
+            rest.extend(argv[i:])
+            break
+        name, eq, inline = tok.partition("=")
+        if name == "--cpu":
+            opts.cpu = True
+            continue
+        if name in ("--nproc", "--out", "--iterations", "--target"):
+            if eq:
+                val = inline
+            elif i < len(argv):
+                val, i = argv[i], i + 1
+            else:
+                raise UsageError(f"argument {name}: expected one argument")
+            if name in ("--nproc", "--iterations"):
+                try:
+                    num = int(val)
+                except ValueError:
+                    raise UsageError(f"argument {name}: invalid int value: {val!r}") from None
+                if num < 1:
+                    raise UsageError(f"argument {name}: must be >= 1, got {num}")
+                setattr(opts, name[2:], num)
+            else:
+                setattr(opts, name[2:], val)
+            continue
+        if name in ("-h", "--help"):
+            raise _Help()
+        rest.append(tok)
+    if not opts.is_harness and not os.path.isfile(opts.target):
+        raise UsageError(f"--target {opts.target}: no such file (give 'harness' or a path to pretrain_gpt.py)")
+    opts.flags = rest
+    return opts
+
+
+def _flag_value(flags: list[str], names) -> str | None:
+    for i, tok in enumerate(flags):
+        name, eq, inline = tok.partition("=")
+        if name in names:
+            return inline if eq else (flags[i + 1] if i + 1 < len(flags) else None)
+    return None
+
+
+def strip_flags(flags: list[str], names, with_value: bool = True) -> list[str]:
+    """`flags` without the given flags (and their values)."""
+    out, i = [], 0
+    while i < len(flags):
+        name, eq, _ = flags[i].partition("=")
+        if name in names:
+            i += 1 if (eq or not with_value) else 2
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def world_size(opts: Options) -> int:
+    """Processes to run: --nproc, else torchrun's --nproc_per_node x --nnodes, else $WORLD_SIZE, else 1."""
+    if opts.nproc:
+        return opts.nproc
+    per = _flag_value(opts.flags, {"--nproc_per_node", "--nproc-per-node"})
+    nodes = _flag_value(opts.flags, {"--nnodes"})
+    if per is not None:
+        try:
+            return int(per) * (max(int(p) for p in nodes.split(":")) if nodes else 1)
+        except ValueError:
+            raise UsageError(f"argument --nproc_per_node: invalid int value: {per!r}") from None
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def config_argv(opts: Options, world: int) -> list[str]:
+    """The flags the estimator's parser sees: the user's, with the actual world size as torchrun's flags."""
+    flags = strip_flags(opts.flags, _TORCHRUN)
+    return ["--nproc_per_node", str(world), "--nnodes", "1"] + flags
+
+
+def load_config(opts: Options, world: int):
+    from estimator.args import ConfigError, parse_args
+    try:
+        cfg = parse_args(config_argv(opts, world))
+        if opts.is_harness:
+            from tracer.harness import extra_flags
+            extra_flags(cfg.ignored_args)   # --lr, --seed, ... that only the harness reads
+        return cfg
+    except (ConfigError, ValueError) as e:
+        if opts.is_harness:
+            raise UsageError(str(e)) from None
+        print(f"tracer.profile: warning: the estimator cannot describe this config ({e}); "
+              "its header will carry no config", file=sys.stderr)
+        return None
+
+
+def pretrain_argv(script: str, flags: list[str], iterations: int) -> list[str]:
+    """sys.argv for a user's pretrain_gpt.py: torchrun flags dropped, --train-iters forced to `iterations`,
+    no checkpoint saving and no evaluation (they would pollute the trace and write to the user's disk)."""
+    flags = strip_flags(flags, _TORCHRUN)
+    flags = strip_flags(flags, {"--train-iters", "--save", "--save-interval", "--eval-iters", "--eval-interval",
+                                "--exit-interval", "--train-samples"})
+    flags = strip_flags(flags, {"--use-pytorch-profiler", "--profile"}, with_value=False)
+    return [script, *flags, "--train-iters", str(iterations), "--eval-iters", "0",
+            "--eval-interval", str(10 ** 9)]
+
+
+# ---- header ------------------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    import torch
+    try:
+        from megatron.core import package_info
+        mc = package_info.__version__
+    except ImportError:
+        mc = None
+    return {"torch": torch.__version__, "megatron_core": mc, "python": platform.python_version()}
+
+
+def write_header(path: str, header: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(header, f, indent=1, default=str)
+    os.replace(tmp, path)   # atomic: a reader never sees half a header
+
+
+def _coords_or_none():
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            from tracer.harness import coords
+            return coords()
+    except Exception:   # a user's script may not initialise megatron-core's parallel_state at all
+        pass
+    return None
+
+
+# ---- memory reporting under the pluggable allocator ---------------------------------------------------------
+
+def patch_memory_reporting() -> None:
+    """torch.cuda.memory_allocated & co. raise under CUDAPluggableAllocator: answer from the tracer's counters.
+    (There is no cache, so reserved == allocated.) cudnn.benchmark needs cacheInfo: keep it off."""
+    import torch
+    from tracer import allocator
+
+    def stats(device=None):
+        live, peak = allocator.live_bytes(), allocator.peak_bytes()
+        return {"allocated_bytes.all.current": live, "allocated_bytes.all.peak": peak,
+                "reserved_bytes.all.current": live, "reserved_bytes.all.peak": peak,
+                "active_bytes.all.current": live, "active_bytes.all.peak": peak,
+                "num_alloc_retries": 0, "num_ooms": 0}
+
+    fns = {"memory_allocated": lambda device=None: allocator.live_bytes(),
+           "max_memory_allocated": lambda device=None: allocator.peak_bytes(),
+           "memory_reserved": lambda device=None: allocator.live_bytes(),
+           "max_memory_reserved": lambda device=None: allocator.peak_bytes(),
+           "memory_stats": stats,
+           "reset_peak_memory_stats": lambda device=None: allocator.reset_peak(),
+           "reset_max_memory_allocated": lambda device=None: allocator.reset_peak()}
+    for mod in (torch.cuda, torch.cuda.memory):
+        for name, fn in fns.items():
+            setattr(mod, name, fn)
+    torch.backends.cudnn.benchmark = False
+
+
+# ---- one rank ----------------------------------------------------------------------------------------------
+
+def _install_tracing(prefix: str, cpu: bool) -> str:
+    """Open the trace and route allocations into it before anything else allocates. Returns the backend."""
+    from tracer import allocator
+    if cpu:
+        from tracer import cpu_hook, megatron_compat
+        cpu_hook.install(prefix)
+        megatron_compat.install()
+        return "cpu-hook"
+    allocator.open_trace(prefix, "cuda")
+    allocator.install_cuda_allocator()   # before the first CUDA allocation of the process
+    patch_memory_reporting()
+    return "cuda"
+
+
+def _init_distributed(cpu: bool, rank: int, world: int) -> None:
+    import datetime
+
+    import torch
+    if torch.distributed.is_initialized():
+        return
+    if not cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
+    torch.distributed.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(minutes=10))
+
+
+def _run_pretrain(opts: Options, on_setup, on_iteration_end) -> None:
+    """runpy a user's pretrain_gpt.py with iteration/optimizer scopes attached to megatron.training."""
+    import runpy
+
+    from tracer import scopes
+    script = os.path.abspath(opts.target)
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        from megatron.training import training
+    except ImportError as e:
+        raise RuntimeError(f"--target {opts.target}: cannot import megatron.training next to it ({e}); "
+                           "point --target at pretrain_gpt.py inside a Megatron-LM checkout") from e
+
+    orig_setup, orig_step = training.setup_model_and_optimizer, training.train_step
+    counter = [0]
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        out = orig_setup(*args, **kwargs)
+        scopes.wrap_optimizer(out[1])
+        scopes.mark("setup_done")
+        on_setup()
+        return out
+
+    def train_step(*args, **kwargs):
+        i = counter[0]
+        scopes.new_iteration()
+        with scopes.scope(f"iter:{i}"):
+            out = orig_step(*args, **kwargs)
+        scopes.mark(f"iter_end:{i}")
+        counter[0] += 1
+        on_iteration_end(i)
+        return out
+
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+    training.train_step = train_step
+    saved_argv = sys.argv
+    sys.argv = pretrain_argv(script, opts.flags, opts.iterations)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:   # Megatron exits on its own after the last iteration in some versions
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved_argv
+
+
+def worker(opts: Options) -> int:
+    """One rank: trace, compat layer (CPU), distributed init, the target, the header."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    os.makedirs(opts.out, exist_ok=True)
+    prefix = os.path.join(opts.out, f"rank{rank}")
+    cpu = opts.cpu
+    backend = _install_tracing(prefix, cpu)
+
+    import torch
+    from tracer import allocator, scopes
+    cfg = load_config(opts, world)
+    header = {"format": "megatron-memtrace", "version": 1, "rank": rank, "world_size": world, "coords": None,
+              "config": cfg.to_dict() if cfg is not None else None, "argv": list(opts.flags),
+              "device": "cpu" if cpu else torch.cuda.get_device_name(),
+              "backend": backend, "versions": versions(), "iterations": opts.iterations,
+              "target": "harness" if opts.is_harness else "pretrain_gpt"}
+    hpath = prefix + ".json"
+    write_header(hpath, header)
+    scopes.enable()
+    allocator.mark("start")
+    status = 0
+    try:
+        _init_distributed(cpu, rank, world)
+        scopes.attach_module_hooks()
+        scopes.patch_megatron()
+
+        def on_setup(result=None):
+            header["coords"] = _coords_or_none()
+            write_header(hpath, header)
+
+        if opts.is_harness:
+            from tracer import harness
+            res = harness.run(cfg, opts.iterations, on_setup=on_setup)
+            header.update(losses=res.losses, iteration_seconds=res.iteration_seconds,
+                          skipped_iterations=res.skipped_iterations)
+        else:
+            _run_pretrain(opts, on_setup, lambda i: allocator.flush())
+    except BaseException as e:
+        status = 1
+        header["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
+        traceback.print_exc()
+    finally:
+        scopes.enable(False)
+        header["coords"] = header["coords"] or _coords_or_none()
+        header["allocator_peak_bytes"] = allocator.peak_bytes()
+        header["allocator_live_bytes"] = allocator.live_bytes()
+        allocator.close()
+        write_header(hpath, header)
+    if status == 0 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return status
+
+
+# ---- launchers ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_cpu(opts: Options, argv: list[str], world: int) -> int:
+    """Start `world` gloo worker processes of this module and wait; if one fails, stop the rest."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   **{_WORKER_ENV: "1"})
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+        env.setdefault("OMP_NUM_THREADS", "1")   # N ranks share the cores; threads would oversubscribe them
+        procs.append(subprocess.Popen([sys.executable, "-m", "tracer.profile", *argv], env=env))
+    rc = 0
+    while procs:
+        for p in list(procs):
+            code = p.poll()
+            if code is None:
+                continue
+            procs.remove(p)
+            if code != 0 and rc == 0:
+                rc = code
+                for q in procs:   # a dead peer would leave the others blocked in a collective
+                    q.terminate()
+        time.sleep(0.05)
+    return rc
+
+
+def relaunch_torchrun(opts: Options, argv: list[str]) -> int:
+    """Not under torchrun on a GPU machine: re-run this module through torch.distributed.run."""
+    tr = []
+    for names, flag in ((("--nproc_per_node", "--nproc-per-node"), "--nproc_per_node"), (("--nnodes",), "--nnodes"),
+                        (("--node_rank", "--node-rank"), "--node_rank"),
+                        (("--master_addr", "--master-addr"), "--master_addr"),
+                        (("--master_port", "--master-port"), "--master_port")):
+        val = _flag_value(opts.flags, set(names))
+        if val is not None:
+            tr += [flag, val]
+    if opts.nproc and "--nproc_per_node" not in tr:
+        tr += ["--nproc_per_node", str(opts.nproc)]
+    rest = strip_flags(argv, _TORCHRUN)
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *tr, "-m", "tracer.profile", *rest])
+
+
+def summarize(out: str, world: int) -> None:
+    for r in range(world):
+        path = os.path.join(out, f"rank{r}.json")
+        try:
+            with open(path) as f:
+                h = json.load(f)
+        except (OSError, ValueError):
+            print(f"rank {r}: no header at {path}")
+            continue
+        peak = h.get("allocator_peak_bytes")
+        losses = h.get("losses")
+        print(f"rank {r} coords={h.get('coords')} peak={peak / 2**20:.2f} MiB" if peak is not None else
+              f"rank {r}: no peak", f"losses={[round(x, 4) for x in losses if x is not None]}" if losses else "")
+    print(f"traces in {out}/rank<R>.trace/.names/.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        opts = parse_options(argv)
+        if os.environ.get(_WORKER_ENV) == "1" or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+            return worker(opts)
+        world = world_size(opts)
+        if opts.cpu:
+            load_config(opts, world)     # fail fast, with the estimator's message, before spawning anything
+            rc = spawn_cpu(opts, argv, world)
+            summarize(opts.out, world)
+            return rc
+        return relaunch_torchrun(opts, argv)
+    except _Help:
+        print(USAGE + "\n" + (__doc__ or "").split("\n\n", 2)[-1].strip())
+        return 0
+    except UsageError as e:
+        print(f"tracer.profile: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

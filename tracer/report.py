@@ -1,0 +1,142 @@
+"""`python -m tracer.report TRACE_OR_DIR [--json] [--snapshot OUT.pickle] [--png OUT.png]`
+
+Prints, per rank: the peak and the phase it happens in, what is live at the peak by category and by op, and per
+op the saved-for-backward bytes per layer per microbatch and the transient forward/backward peaks. All sizes MiB
+(2**20 bytes). Bad input: one line on stderr, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections import defaultdict
+
+from .parse import CATEGORIES, ParsedRank, parse_run
+from .trace_reader import TraceFormatError
+
+MiB = 1024 * 1024
+
+
+def mib(b) -> str:
+    return "-" if b is None else f"{b / MiB:.4f}"
+
+
+def steady_iteration(pr: ParsedRank):
+    """The last iteration with op statistics (first iterations allocate lazily created state)."""
+    its = [r["iteration"] for r in pr.op_stats if r["iteration"] is not None]
+    return max(its) if its else None
+
+
+def op_summary(pr: ParsedRank, iteration=None) -> list[dict]:
+    """Per op over one iteration: saved bytes per layer per microbatch (min/max across layers and microbatches),
+    largest forward and backward transient peaks; plus a `layer total` row summing the layer ops."""
+    it = steady_iteration(pr) if iteration is None else iteration
+    rows = [r for r in pr.op_stats if r["iteration"] == it]
+    by_op: dict = defaultdict(list)
+    per_layer: dict = defaultdict(int)
+    for r in rows:
+        by_op[r["op"]].append(r)
+        if r["layer"] is not None:
+            per_layer[(r["layer"], r["microbatch"])] += r["saved_bytes"]
+    out = []
+    for op, rs in by_op.items():
+        saved = [r["saved_bytes"] for r in rs]
+        fwd = [r["fwd_peak_bytes"] for r in rs if r["fwd_peak_bytes"] is not None]
+        bwd = [r["bwd_peak_bytes"] for r in rs if r["bwd_peak_bytes"] is not None]
+        layers = sorted({r["layer"] for r in rs if r["layer"] is not None})
+        out.append({"op": op, "layers": len(layers), "microbatches": len({r["microbatch"] for r in rs}),
+                    "saved_min_bytes": min(saved), "saved_max_bytes": max(saved),
+                    "fwd_peak_bytes": max(fwd) if fwd else None, "bwd_peak_bytes": max(bwd) if bwd else None})
+    if per_layer:
+        v = list(per_layer.values())
+        out.append({"op": "layer total (sum of layers.* ops)", "layers": len({k[0] for k in per_layer}),
+                    "microbatches": len({k[1] for k in per_layer}), "saved_min_bytes": min(v),
+                    "saved_max_bytes": max(v), "fwd_peak_bytes": None, "bwd_peak_bytes": None})
+    return out
+
+
+def rank_json(pr: ParsedRank, top: int = 20) -> dict:
+    i = pr.peak_index
+    return {"rank": pr.rank, "coords": pr.header.get("coords"), "events": pr.n_events,
+            "truncated_bytes": pr.trace.truncated_bytes, "peak_bytes": pr.peak_bytes, "peak_event": i,
+            "peak_time_s": float(pr.t_ns[i]) / 1e9 if i >= 0 else None, "peak_phase": pr.peak_phase,
+            "peak_scope_path": pr.peak_scope_path, "allocator_peak_bytes": pr.header.get("allocator_peak_bytes"),
+            "final_live_bytes": int(pr.live[-1]) if pr.n_events else 0,
+            "peak_by_category": pr.peak_by_category, "peak_by_op": pr.peak_by_op[:top],
+            "steady_iteration": steady_iteration(pr), "op_summary": op_summary(pr), "op_stats": pr.op_stats}
+
+
+def format_rank(pr: ParsedRank, top: int = 15) -> str:
+    j = rank_json(pr, top)
+    L = []
+    coords = " ".join(f"{k}={v}" for k, v in (j["coords"] or {}).items())
+    L.append(f"== rank {pr.rank}  {coords}  ({pr.n_events:,} events, backend {pr.trace.backend})")
+    if j["truncated_bytes"]:
+        L.append(f"   WARNING: truncated trace, {j['truncated_bytes']} trailing bytes dropped")
+    L.append(f"peak live memory: {mib(pr.peak_bytes)} MiB at t={j['peak_time_s'] or 0:.4f} s (event {pr.peak_index})")
+    L.append(f"  phase of the peak: {pr.peak_phase}")
+    if j["allocator_peak_bytes"] is not None:
+        same = "equal" if j["allocator_peak_bytes"] == pr.peak_bytes else "DIFFERENT"
+        L.append(f"  allocator's own peak counter: {mib(j['allocator_peak_bytes'])} MiB ({same} to the replay)")
+    L.append("live at the peak by category (MiB):")
+    for c in CATEGORIES:
+        b = pr.peak_by_category.get(c, 0)
+        if b:
+            L.append(f"  {c:<14} {mib(b):>12}  {100 * b / max(pr.peak_bytes, 1):5.1f}%")
+    L.append(f"top {top} contributors live at the peak (op or innermost scope, category):")
+    L.append(f"  {'MiB':>12}  {'tensors':>7}  {'category':<13} op")
+    for r in pr.peak_by_op[:top]:
+        L.append(f"  {mib(r['bytes']):>12}  {r['count']:>7}  {r['category']:<13} {r['op']}")
+    summ = j["op_summary"]
+    if summ:
+        L.append(f"per op, iteration {j['steady_iteration']} (MiB; saved = per layer per microbatch, min..max):")
+        L.append(f"  {'saved/layer/mb':>22}  {'fwd peak':>10}  {'bwd peak':>10}  {'layers':>6}  {'mbs':>4}  op")
+        for r in summ:
+            lo, hi = r["saved_min_bytes"], r["saved_max_bytes"]
+            s = mib(lo) if lo == hi else f"{mib(lo)}..{mib(hi)}"
+            L.append(f"  {s:>22}  {mib(r['fwd_peak_bytes']):>10}  {mib(r['bwd_peak_bytes']):>10}  "
+                     f"{r['layers']:>6}  {r['microbatches']:>4}  {r['op']}")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tracer.report", description=__doc__.split("\n\n")[1])
+    ap.add_argument("path", help="a run directory with rank<R>.trace files, or one rank<R>.trace")
+    ap.add_argument("--json", action="store_true", help="print the numbers as JSON (bytes) instead of text")
+    ap.add_argument("--snapshot", metavar="OUT.pickle", help="write a PyTorch memory snapshot (rank R = device R)")
+    ap.add_argument("--png", metavar="OUT.png", help="write a live-memory timeline plot, one panel per rank")
+    ap.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
+    ap.add_argument("--top", type=int, default=15, help="contributors listed at the peak (default 15)")
+    a = ap.parse_args(argv)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ranks = parse_run(a.path)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        if a.rank:
+            ranks = [r for r in ranks if r.rank in a.rank]
+            if not ranks:
+                raise TraceFormatError(f"{a.path}: no rank among {a.rank}")
+        if a.json:
+            print(json.dumps({"ranks": [rank_json(r, a.top) for r in ranks]}, indent=1))
+        else:
+            print("\n\n".join(format_rank(r, a.top) for r in ranks))
+        if a.snapshot:
+            from .export import save_snapshot
+            save_snapshot(ranks, a.snapshot)
+            print(f"wrote {a.snapshot}: open with https://pytorch.org/memory_viz or "
+                  f"python -m torch.cuda._memory_viz trace_plot {a.snapshot} -o trace.html", file=sys.stderr)
+        if a.png:
+            from .export import plot_timeline
+            plot_timeline(ranks, a.png)
+            print(f"wrote {a.png}", file=sys.stderr)
+    except (TraceFormatError, OSError, ValueError, KeyError) as e:
+        print(f"tracer.report: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
