@@ -35,6 +35,8 @@ class TrainingConfig:
     max_position_embeddings: Optional[int] = None
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
     swiglu: bool = False
     normalization: str = "LayerNorm"
     add_bias_linear: bool = True
@@ -170,6 +172,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--use-rotary-position-embeddings": ("_use_rotary_position_embeddings", "true"),
     "--no-position-embedding": ("_add_position_embedding", "false"),
     "--rotary-percent": ("rotary_percent", "float"),
+    "--rotary-base": ("rotary_base", "int"),
+    "--norm-epsilon": ("norm_epsilon", "float"),
     "--swiglu": ("swiglu", "true"),
     "--normalization": ("normalization", "str"),
     "--disable-bias-linear": ("add_bias_linear", "false"),
@@ -407,6 +411,9 @@ def derive(cfg: TrainingConfig) -> None:
         cfg.num_experts = None
     if cfg.num_experts is not None and cfg.moe_ffn_hidden_size is None:
         cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
+    if cfg.expert_model_parallel_size > 1 and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
+        cfg.warnings.append("When using expert parallelism and tensor parallelism for training, "
+                            "sequence parallelism must be used")
 
     _derive_precision(cfg)
     _derive_virtual_pipeline(cfg)

@@ -86,7 +86,7 @@ FAMILIES: dict[str, list[str]] = {
     "layer": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS,
     "embedding": ["s*b*h/st", "s*b*h", "s*b", "s*h", "v*h/t", "1"],
     "output_layer": ["s*b*v/t", "s*b*h/st", "s*b*h", "s*b", "v*h/t", "1"],
-    "loss": ["s*b*v/t", "s*b", "s*b/t", "1"],
+    "loss": ["s*b*v/t", "s*b", "s*b/t", "b", "s", "1"],
     "router": ["s*b*E/st", "s*b*k/st", "s*b*h/st", "s*b*E", "s*b*k", "s*b/st", "E", "1"],
     "experts": ["s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st", "E/ep", "1"],
     "shared_experts": ["s*b*fs/t", "s*b*h/st", "s*b*h", "1"],

@@ -1,8 +1,8 @@
 """Parsed traces -> fit samples: one value per (run, op, metric), with the run's variables and switches.
 
 Per op, rows of every rank, layer, microbatch and iteration >= 1 (iteration 0 is warm-up: lazily created
-buffers, first-step optimizer state) are reduced to their mode when it is a strict majority, else the low median,
-so the sample is always a byte count that really occurred. The optimizer step's transient (peak above the level
+buffers, first-step optimizer state) are reduced to their mode when it is a strict majority, else the low median
+(saved bytes) or the maximum (transient peaks), so the sample is always a byte count that really occurred. The optimizer step's transient (peak above the level
 at `optim` entry) becomes the model-level op `optimizer`.
 """
 from __future__ import annotations
@@ -20,6 +20,38 @@ from estimator.formulas import variables as config_variables
 
 METRICS = ("saved", "fwd_peak", "bwd_peak")
 OPTIMIZER_OP = "optimizer"
+
+
+def estimator_ops() -> tuple:
+    """The op names the estimator composes a layer and a model from (its vocabulary, in its own module)."""
+    from estimator import activations as A
+    return tuple(dict.fromkeys(A.ATTN_OPS + A.DENSE_MLP_OPS + A.MOE_MLP_OPS + (A.LAYER_OP,) + A.FIRST_OPS
+                               + A.LAST_OPS))
+
+
+def rollup_target(op: str, vocab: tuple) -> str:
+    """Nearest ancestor of `op` (itself included) in `vocab`, by dotted path; the op itself when none is."""
+    parts = op.split(".")
+    for n in range(len(parts), 0, -1):
+        cand = ".".join(parts[:n])
+        if cand in vocab:
+            return cand
+    return op
+
+
+def rollup(rows: list[dict], vocab: tuple) -> list[dict]:
+    """Fold sub-ops the estimator does not model into their nearest modelled ancestor: saved bytes (innermost
+    attribution) add up; the ancestor's own peaks already include its children's, so they are kept as they are."""
+    out: dict = {}
+    for row in rows:
+        target = rollup_target(row["op"], vocab)
+        key = (target, row.get("layer"), row.get("microbatch"), row.get("iteration"))
+        acc = out.setdefault(key, {"op": target, "layer": key[1], "microbatch": key[2], "iteration": key[3],
+                                   "saved_bytes": 0, "fwd_peak_bytes": None, "bwd_peak_bytes": None})
+        acc["saved_bytes"] += int(row.get("saved_bytes") or 0)
+        if target == row["op"]:
+            acc["fwd_peak_bytes"], acc["bwd_peak_bytes"] = row.get("fwd_peak_bytes"), row.get("bwd_peak_bytes")
+    return list(out.values())
 
 
 class DatasetError(ValueError):
@@ -57,11 +89,15 @@ def point_of(config: dict) -> dict:
     return {k: Fraction(v) for k, v in config_variables(config).items()}
 
 
-def reduce_values(values: list[int]) -> int | None:
+def reduce_values(values: list[int], peak: bool = False) -> int | None:
+    """The strict-majority value; without one, saved bytes take the low median and peaks the maximum (a
+    transient that differs between layers must be covered on every layer)."""
     if not values:
         return None
     value, count = Counter(values).most_common(1)[0]
-    return value if count * 2 > len(values) else statistics.median_low(values)
+    if count * 2 > len(values):
+        return value
+    return max(values) if peak else statistics.median_low(values)
 
 
 def expand_dirs(paths: list[str]) -> list[str]:
@@ -73,7 +109,9 @@ def expand_dirs(paths: list[str]) -> list[str]:
         if _is_run(p):
             out.append(p)
             continue
-        subs = sorted(os.path.join(p, d) for d in os.listdir(p) if _is_run(os.path.join(p, d)))
+        # `.partial` directories are campaign runs still in progress (or interrupted): never fit those.
+        subs = sorted(os.path.join(p, d) for d in os.listdir(p)
+                      if not d.endswith(".partial") and _is_run(os.path.join(p, d)))
         if not subs:
             raise DatasetError(f"{p}: no rank<R>.trace files here or in its subdirectories")
         out.extend(subs)
@@ -84,7 +122,7 @@ def _is_run(path: str) -> bool:
     return os.path.isdir(path) and any(f.startswith("rank") and f.endswith(".trace") for f in os.listdir(path))
 
 
-def load_run(path: str) -> tuple[RunInfo, list[Sample]]:
+def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
     from tracer.parse import parse_run  # the fitter reads parsed traces; imported late so basis/solve stay light
     try:
         ranks = parse_run(path)
@@ -100,11 +138,12 @@ def load_run(path: str) -> tuple[RunInfo, list[Sample]]:
                    backend=str(hdr.get("backend", "?")), versions=dict(hdr.get("versions", {})),
                    world_size=int(hdr.get("world_size", len(ranks))), iterations=int(hdr.get("iterations", 0)),
                    ranks=len(ranks), peaks=[int(r.peak_bytes) for r in ranks])
-    return info, samples_of(path, cfg, ranks)
+    return info, samples_of(path, cfg, ranks, None if raw_ops else estimator_ops())
 
 
-def samples_of(path: str, cfg: dict, ranks: list) -> list[Sample]:
-    rows = [row for r in ranks for row in r.op_stats]
+def samples_of(path: str, cfg: dict, ranks: list, vocab: tuple | None = None) -> list[Sample]:
+    """Samples of one run; with `vocab`, sub-ops are first rolled up into the estimator's ops (per rank)."""
+    rows = [row for r in ranks for row in (rollup(r.op_stats, vocab) if vocab else r.op_stats)]
     if any((row.get("iteration") or 0) >= 1 for row in rows):
         rows = [row for row in rows if (row.get("iteration") or 0) >= 1]
     by_op: dict[str, list[dict]] = {}
@@ -116,7 +155,7 @@ def samples_of(path: str, cfg: dict, ranks: list) -> list[Sample]:
         vals, spread = {}, {}
         for m in METRICS:
             xs = [int(r[f"{m}_bytes"]) for r in oprows if r.get(f"{m}_bytes") is not None]
-            vals[m] = reduce_values(xs)
+            vals[m] = reduce_values(xs, peak=m != "saved")
             if xs:
                 spread[m] = (min(xs), max(xs))
         per = "layer" if any(r.get("layer") is not None for r in oprows) else "model"
@@ -124,7 +163,7 @@ def samples_of(path: str, cfg: dict, ranks: list) -> list[Sample]:
     optim = optimizer_transients(ranks)
     if optim:
         out.append(Sample(path, OPTIMIZER_OP, "model", point, sw,
-                          {"saved": 0, "fwd_peak": reduce_values(optim), "bwd_peak": None}, len(optim),
+                          {"saved": 0, "fwd_peak": reduce_values(optim, peak=True), "bwd_peak": None}, len(optim),
                           {"fwd_peak": (min(optim), max(optim))}))
     return out
 
@@ -157,10 +196,10 @@ def _iter_no(r, row: int) -> int:
     return int(name.split(":", 1)[1]) if name.startswith("iter:") and name[5:].isdigit() else -1
 
 
-def load(paths: list[str]) -> tuple[list[RunInfo], list[Sample]]:
+def load(paths: list[str], raw_ops: bool = False) -> tuple[list[RunInfo], list[Sample]]:
     runs, samples = [], []
     for p in expand_dirs(paths):
-        info, s = load_run(p)
+        info, s = load_run(p, raw_ops)
         runs.append(info)
         samples.extend(s)
     return runs, samples

@@ -1,8 +1,8 @@
 """Write fitted formulas as a FORMATS 4 formula-set file, with provenance.
 
-Only formulas determined for every measured metric are written (an omitted metric would read as 0 bytes, an
-under-prediction); refusals and their reasons go into provenance so the gaps are visible. The result is
-validated with the estimator's own loader before it is written.
+A formula is written when its saved bytes are determined; a transient peak the data could not determine is an
+empty list (0 bytes) with a `note` saying so, and every refusal with its reason goes into provenance, so gaps are
+visible rather than guessed. The result is validated with the estimator's own loader before it is written.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ def formula_json(f: OpFormula) -> dict:
     out = {"op": f.op, "per": f.per, "when": dict(f.when)}
     for m in ("saved", "fwd_peak", "bwd_peak"):
         out[m] = terms_json(f.fits[m].terms) if m in f.fits else []
+    if f.refused:
+        out["note"] = "; ".join(f"{m} not determined (reads as 0): {why}" for m, why in f.refused.items())
     return out
 
 
@@ -69,7 +71,7 @@ def build(name: str, runs: list[RunInfo], formulas: list[OpFormula], description
                     "iterations": r.iterations, "device": r.device, "argv": r.argv, "measured_peaks": r.peaks,
                     "config": r.config} for r in runs],
         "fits": [_fit_record(f, m) for f in kept for m in ("saved", "fwd_peak", "bwd_peak") if m in f.fits],
-        "refused": [_fit_record(f, m) for f in formulas if not f.ok
+        "refused": [_fit_record(f, m) for f in formulas
                     for m in ("saved", "fwd_peak", "bwd_peak") if m in f.refused],
     }
     doc = {"format": FORMAT, "version": VERSION, "name": name, "kind": "fitted",

@@ -3,7 +3,7 @@
 Switches that enter through a variable (dtype through e, sequence parallelism through st) or not at all should
 not split the data: one formula over both values is better determined. So, per op, switches are added greedily
 (most likely first) until every part of the data split by them has a determined exact fit of its saved bytes;
-transient peaks are then fitted on the same parts. A formula's `when` lists every switch constant in its part: it
+transient peaks are then fitted on the same parts (a peak that stays undetermined is reported, not guessed). A formula's `when` lists every switch constant in its part: it
 claims nothing about switch values it has not seen. A fit whose leave-one-out predictions miss is refused as
 overfitted (exact byte counts leave no room for a formula that only interpolates).
 """
@@ -33,7 +33,8 @@ class OpFormula:
 
     @property
     def ok(self) -> bool:
-        return not self.refused and "saved" in self.fits
+        """Writable: saved bytes are determined (an undetermined peak is left out and noted, not guessed)."""
+        return "saved" in self.fits
 
 
 def domain(when: dict) -> tuple[set, dict]:
@@ -76,17 +77,20 @@ class _OpFitter:
             else:
                 fixed, ties = domain(constant_switches(part))
                 try:
-                    self.cache[key] = fit_group([s.point for s in have], [s.values[metric] for s in have],
-                                                self.cands, fixed=fixed, ties=ties,
-                                                bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
+                    fit = fit_group([s.point for s in have], [s.values[metric] for s in have],
+                                    self.cands, fixed=fixed, ties=ties,
+                                    bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
+                    fit.runs_used, fit.pins = sorted({s.run for s in have}), (fixed, ties)
+                    self.cache[key] = fit
                 except FitRefused as exc:
                     self.cache[key] = str(exc)
         return self.cache[key]
 
-    def formula(self, part: list[Sample]) -> OpFormula:
+    def formula(self, part: list[Sample], saved_from: list[Sample] | None = None) -> OpFormula:
+        """The part's formula; `saved_from` (a superset) supplies the saved-bytes fit when peaks were split."""
         fits, refused = {}, {}
         for m in METRICS:
-            r = self.fit_metric(part, m)
+            r = self.fit_metric(saved_from if (m == "saved" and saved_from) else part, m)
             if isinstance(r, Fit):
                 fits[m] = r
             elif r is not None:
@@ -95,10 +99,7 @@ class _OpFitter:
         return OpFormula(self.op, per, constant_switches(part), fits, refused, sorted({s.run for s in part}))
 
     def split(self, keys: tuple) -> list[list[Sample]]:
-        parts: dict = {}
-        for s in self.samples:
-            parts.setdefault(tuple(repr(s.switches.get(k)) for k in keys), []).append(s)
-        return list(parts.values())
+        return self._split(self.samples, keys)
 
     def covered(self, keys: tuple) -> int:
         """Configs whose part has a determined saved-bytes fit when split by `keys`."""
@@ -109,18 +110,52 @@ class _OpFitter:
         varying = [k for k in SWITCH_ORDER + tuple(extra)
                    if len({repr(s.switches.get(k)) for s in self.samples}) > 1]
         keys: tuple = ()
-        best = self.covered(keys)
-        while best < len(self.samples):
+        cov = self.covered(keys)
+        best = (cov, keys)
+        while cov < len(self.samples):
             scored = [(self.covered(keys + (k,)), -i, k) for i, k in enumerate(varying) if k not in keys]
             if not scored:
                 break
-            cov, _, k = max(scored)
-            if cov <= best and len(keys) + 1 < len(varying):
-                # No single switch helps yet (e.g. two must split together): take the first and keep going.
+            c, _, k = max(scored)
+            if c <= cov:
+                # No single switch helps yet (two may have to split together): take the likeliest, go on.
                 k = next(x for x in varying if x not in keys)
             keys += (k,)
-            best = self.covered(keys)
-        return [self.formula(p) for p in self.split(keys)]
+            cov = self.covered(keys)
+            if cov > best[0]:
+                best = (cov, keys)
+        keys = best[1]  # most configs covered, fewest switches: an unhelpful split only fragments refusals
+        return [f for p in self.split(keys) for f in self.refine_peaks(p, varying)]
+
+    def peaks_covered(self, parts: list[list[Sample]]) -> int:
+        return sum(len(p) for p in parts
+                   if all(not isinstance(self.fit_metric(p, m), str) for m in METRICS if m != "saved"))
+
+    def refine_peaks(self, part: list[Sample], varying: list) -> list[OpFormula]:
+        """Transient peaks may depend on a switch that saved bytes do not (CPU bf16 matmuls use fp32 scratch,
+        sequence parallelism gathers): split the part once more, by the switch that determines peaks for the most
+        configs, sharing the part's saved-bytes fit."""
+        base = self.peaks_covered([part])
+        if base == len(part) or not isinstance(self.fit_metric(part, "saved"), Fit):
+            return [self.formula(part)]
+        const = constant_switches(part)
+        best = (base, None)
+        for k in varying:
+            if k in const:
+                continue
+            sub = self._split(part, (k,))
+            cov = self.peaks_covered(sub)
+            if cov > best[0]:
+                best = (cov, sub)
+        if best[1] is None:
+            return [self.formula(part)]
+        return [self.formula(p, saved_from=part) for p in best[1]]
+
+    def _split(self, samples: list[Sample], keys: tuple) -> list[list[Sample]]:
+        parts: dict = {}
+        for s in samples:
+            parts.setdefault(tuple(repr(s.switches.get(k)) for k in keys), []).append(s)
+        return list(parts.values())
 
 
 def fit_op(op: str, samples: list[Sample], loo: bool = True, peak_bound: float = 0.0, **kw) -> list[OpFormula]:
@@ -130,18 +165,28 @@ def fit_op(op: str, samples: list[Sample], loo: bool = True, peak_bound: float =
     fitter = _OpFitter(op, samples, peak_bound, **kw)
     out = fitter.run()
     if loo:
+        checked: dict = {}   # id(fit) -> refusal reason or None; peak-split parts share one saved-bytes fit
         for f in out:
-            fixed, ties = domain(f.when)
             for m, fit in list(f.fits.items()):
-                have = [s for s in samples if s.run in f.runs and s.values.get(m) is not None]
-                leave_one_out(fit, [s.point for s in have], [s.values[m] for s in have], fitter.cands,
-                              fixed=fixed, ties=ties, bound=0.0 if m == "saved" else peak_bound, **kw)
-                limit = LOO_EXACT_LIMIT if fit.exact else max(2 * peak_bound, LOO_EXACT_LIMIT)
-                if fit.loo_max_rel_err is not None and fit.loo_max_rel_err > limit:
+                if id(fit) not in checked:
+                    checked[id(fit)] = _loo_check(fit, m, samples, fitter.cands, peak_bound, kw)
+                if checked[id(fit)]:
                     del f.fits[m]
-                    f.refused[m] = (f"overfitted: {fit} fits all {fit.n_points} configs but leave-one-out "
-                                    f"mispredicts a held-out one by {fit.loo_max_rel_err:.1%}; add configs")
+                    f.refused[m] = checked[id(fit)]
     return out
+
+
+def _loo_check(fit: Fit, metric: str, samples: list[Sample], cands, peak_bound: float, kw: dict) -> str | None:
+    """Fill the fit's leave-one-out error; the refusal reason when it shows an overfit, else None."""
+    fixed, ties = fit.pins
+    have = [s for s in samples if s.run in fit.runs_used and s.values.get(metric) is not None]
+    leave_one_out(fit, [s.point for s in have], [s.values[metric] for s in have], cands,
+                  fixed=fixed, ties=ties, bound=0.0 if metric == "saved" else peak_bound, **kw)
+    limit = LOO_EXACT_LIMIT if fit.exact else max(2 * peak_bound, LOO_EXACT_LIMIT)
+    if fit.loo_max_rel_err is not None and fit.loo_max_rel_err > limit:
+        return (f"overfitted: {fit} fits all {fit.n_points} configs but leave-one-out mispredicts a held-out "
+                f"one by {fit.loo_max_rel_err:.1%}; add configs")
+    return None
 
 
 def fit_all(samples: list[Sample], ops: list[str] | None = None, **kw) -> list[OpFormula]:

@@ -2,8 +2,8 @@
 
 Allocations are deterministic, so the right answer is an exact identity on every traced config. The search tries
 every subset of up to `exhaustive` candidates (float least squares to screen, then exact rational verification),
-then greedy forward selection up to `max_terms`. A fit is only accepted when it is *determined*: at least one
-config more than terms, and no other equally sparse exact fit that predicts differently somewhere in the
+then greedy forward selection up to `max_terms`. A fit is only accepted when it is *determined*: at least two
+configs more than terms (one spare config could confirm a coincidence), and no other equally sparse exact fit that predicts differently somewhere in the
 formula's domain. Otherwise it refuses and names the variable(s) whose variation would tell the fits apart.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ class Fit:
     loo_max_rel_err: float | None = None  # leave-one-out, None when no held-out fit was determined
     loo_undetermined: int = 0            # held-out folds that were themselves underdetermined
     notes: list = field(default_factory=list)
+    runs_used: list = field(default_factory=list)   # provenance: the traces this fit was made from (set by caller)
+    pins: tuple = ((), ())                           # (fixed, ties) domain pins it was fitted under
 
     def predict(self, point: Point) -> Fraction:
         return sum((c * evaluate(m, point) for c, m in self.terms), Fraction(0))
@@ -244,19 +246,19 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
         raise FitRefused("no data")
     if all(y == 0 for y in yv):
         return Fit([], True, n, 0.0, 0.0)
-    if n < 2:
-        raise FitRefused("underdetermined: 1 config cannot determine a nonzero formula; need at least one more "
-                         "config than the formula has terms")
+    if n < 3:
+        raise FitRefused(f"underdetermined: {n} config(s) cannot determine a nonzero formula; a formula of m "
+                         f"terms needs m + 2 configs (m to fit, two to confirm)")
     pb = _Problem(pts, yv, cands)
     probes = _probe_points(pts, set(fixed), ties)
     pinned = set(fixed) | set(ties)
     screen_tol = 1e-6
-    for size in range(1, min(exhaustive, n - 1) + 1):
+    for size in range(1, min(exhaustive, n - 2) + 1):
         found = _exact_fits(pb, size, max_den, screen_tol)
         if found:
             return _pick(pb, found, probes, pinned)
     # Larger formulas: greedy, then a swap check for an equally good but different alternative.
-    limit = min(max_terms, n - 1)
+    limit = min(max_terms, n - 2)
     cols = _greedy(pb, limit) if limit > exhaustive else ()
     if cols:
         coefs = pb.rational(cols, max_den)
@@ -294,8 +296,8 @@ def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset
     cols, coefs = found[0]
     best = [(c, pb.cands[j]) for c, j in zip(coefs, cols)]
     n = len(pb.points)
-    if n < len(cols) + 1:
-        raise FitRefused(f"underdetermined: {len(cols)} term(s) need at least {len(cols) + 1} configs, have {n}")
+    if n < len(cols) + 2:
+        raise FitRefused(f"underdetermined: {len(cols)} term(s) need at least {len(cols) + 2} configs, have {n}")
     for cols2, coefs2 in found[1:]:
         other = [(c, pb.cands[j]) for c, j in zip(coefs2, cols2)]
         if not _same_in_domain(best, other, probes):
@@ -316,7 +318,7 @@ def _no_fit_message(pts: list[Point], cands: list[Monomial], n: int, max_terms: 
     constant = sorted((v for v in used if len({p[v] for p in pts}) == 1), key=lambda v: (v == "e", v))
     hint = ("; configs that vary " + ", ".join(f"{v} ({FLAG_HINTS.get(v, v)})" for v in constant)
             if constant else "")
-    return (f"no exact fit with at most {min(max_terms, n - 1)} term(s) from {n} config(s): add configs{hint}, "
+    return (f"no exact fit with at most {min(max_terms, n - 2)} term(s) from {n} config(s): add configs{hint}, "
             f"or the basis lacks a term")
 
 
@@ -387,7 +389,7 @@ def leave_one_out(fit: Fit, points: Sequence[Point], ys: Sequence[int], cands: l
 
 
 def _refit_bound(points, ys, monos) -> Fit:
-    if not monos or len(points) < len(monos) + 1:
+    if not monos or len(points) < len(monos) + 2:
         raise FitRefused("underdetermined")
     pb = _Problem(list(points), list(ys), monos)
     fit = upper_bound_fit(pb, len(monos), only=tuple(range(len(monos))))

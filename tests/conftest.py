@@ -8,6 +8,7 @@ on CPU, which is all megatron-core 0.16.1 needs to build (not train) a model wit
 from __future__ import annotations
 
 import os
+import queue
 import re
 import socket
 import traceback
@@ -69,7 +70,9 @@ def transformer_config(cfg):
         kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
                       moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                      moe_token_dispatcher_type=cfg.moe_token_dispatcher_type, moe_grouped_gemm=False)
+                      moe_grouped_gemm=False,
+                      # Dispatchers hold no parameters; alltoall's constructor needs a CUDA stream, allgather's not.
+                      moe_token_dispatcher_type="allgather")
     return TransformerConfig(**kwargs)
 
 
@@ -104,9 +107,14 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, cases: list, results) -> None:
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    # The one CUDA call on the build path: LanguageModule moves the tied embedding copy to CUDA before its
+    # first-stage/last-stage all-reduce. This process only builds models, so a no-op .cuda() is enough
+    # (tracer/megatron_compat.py is the full shim for training).
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -142,7 +150,17 @@ def run_on_gloo_world(world: int, cases: list) -> list:
     procs = [ctx.Process(target=_worker, args=(rank, world, port, cases, results)) for rank in range(world)]
     for proc in procs:
         proc.start()
-    collected = [results.get(timeout=600) for _ in range(world * len(cases))]
+    collected = []
+    while len(collected) < world * len(cases):
+        try:
+            collected.append(results.get(timeout=5))
+        except queue.Empty:
+            # A worker that died (import error, crash) would otherwise leave the parent waiting forever.
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"a gloo worker died with exit code {dead[0]}")
     for proc in procs:
         proc.join(timeout=60)
     return collected

@@ -66,7 +66,7 @@ def test_json_has_every_rank_with_coordinates_and_bytes():
 
 
 @pytest.mark.parametrize("args, message", [
-    ("--num-attention-heads 6", r"attention heads .*6.* tensor"),
+    ("--num-attention-heads 5 --kv-channels 32", r"attention.heads.*5.*tensor"),
     ("--nproc_per_node 6", r"world.?size.*6"),
     ("--global-batch-size 7", r"global batch"),
     ("--num-layers 5", r"layers"),
@@ -97,10 +97,14 @@ def test_cli_imports_no_torch_or_megatron():
 def test_presets_all_run():
     from estimator.cli import presets
     names = presets()
-    assert {"gpt3-175b", "llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "mixtral-8x7b",
-            "qwen2.5-72b"} <= set(names)
+    assert {"gpt3_175b", "llama2_7b", "llama2_70b", "llama3_8b", "llama3_70b", "mixtral_8x7b",
+            "qwen2.5_72b"} <= set(names)
     for name in names:
-        res = run_cli(["--preset", name, "--nproc_per_node", "8", "--nnodes", "8", "--json"])
+        res = run_cli(["--preset", name, "--nproc_per_node", "8", "--nnodes", "8", "--tensor-model-parallel-size",
+                       "8", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "1",
+                       "--global-batch-size", "16", "--bf16", "--sequence-parallel", "--json"])
         assert res.returncode == 0, (name, res.stderr)
         doc = json.loads(res.stdout)
+        # The preset is a pure model description: nothing in it is ignored, and its parameters are all placed.
+        assert doc["ignored_args"] == [], (name, doc["ignored_args"])
         assert doc["max_peak_bytes"] > 0

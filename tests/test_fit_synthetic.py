@@ -227,13 +227,18 @@ def test_refuses_collinear_features_and_names_the_ratio():
 
 
 def test_refuses_too_few_configs():
-    pts = _pts([(32, 2, 64, 4, 16, 1, 4), (64, 2, 64, 4, 16, 1, 4)])
+    rows = [(32, 2, 64, 4, 16, 1, 4), (64, 2, 64, 4, 16, 1, 4), (64, 1, 64, 4, 16, 1, 4)]
+    pts = _pts(rows)
     cands = [mono("s*b*h*e"), mono("s*s*b*a*e")]
     ys = [int(p["s"] * p["b"] * p["h"] * p["e"] + p["s"] ** 2 * p["b"] * p["a"] * p["e"]) for p in pts]
-    with pytest.raises(solve.FitRefused, match=r"at most 1 term\(s\) from 2 config\(s\).*vary .*h \(--hidden-size\)"):
-        solve.fit_group(pts, ys, cands)
-    with pytest.raises(solve.FitRefused, match="underdetermined: 1 config"):
-        solve.fit_group(pts[:1], ys[:1], cands)
+    # Two terms need four configs; with three, only one-term formulas are tried, and none fits.
+    with pytest.raises(solve.FitRefused, match=r"at most 1 term\(s\) from 3 config\(s\).*vary .*h \(--hidden-size\)"):
+        solve.fit_group(pts, ys, cands, fixed={"e"})
+    with pytest.raises(solve.FitRefused, match="underdetermined: 2 config"):
+        solve.fit_group(pts[:2], ys[:2], cands)
+    more = _pts(rows + [(16, 3, 64, 4, 16, 1, 4)])
+    fit = solve.fit_group(more, ys + [int(16 * 3 * 64 * 4 + 256 * 3 * 4 * 4)], cands, fixed={"e"})
+    assert fit.terms == [(F(1), mono("s*b*h*e")), (F(1), mono("s*s*b*a*e"))]
 
 
 def test_rational_snapping_and_inexact_data():

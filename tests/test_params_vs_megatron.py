@@ -9,6 +9,7 @@ import shlex
 import pytest
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
 
 from conftest import run_on_gloo_world  # noqa: E402
 from estimator.args import parse_args  # noqa: E402

@@ -115,3 +115,11 @@ def test_cli_invalid_megatron_config_exits_2_without_traceback(tmp_path):
 def test_cli_help():
     r = _cli("--help")
     assert r.returncode == 0 and r.stdout.startswith("usage: python -m tracer.profile")
+
+
+def test_cli_without_cuda_asks_for_cpu(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = _cli("--out", str(tmp_path), "--", *MODEL)
+    assert r.returncode == 2 and "pass --cpu" in r.stderr and "Traceback" not in r.stderr

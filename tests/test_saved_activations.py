@@ -152,3 +152,17 @@ def test_report_and_exports_on_a_real_run(runs, tmp_path):
         peak = max(peak, level)
     assert peak == pr.peak_bytes
     assert open(tmp_path / "t.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_static_categories_at_the_peak(runs):
+    """Weights and DDP grad buffers are equal-sized fp32 buffers; with the distributed optimizer (DP=2) the param
+    buffer DDP allocates is a parameter, not a gradient, and Adam's state is halved."""
+    def cats(name):
+        return [pr.peak_by_category for pr in runs(name)]
+    for name in ("tp1", "dist_opt"):
+        for c in cats(name):
+            assert c["parameter"] > 0 and abs(c["parameter"] - c["gradient"]) <= 64, (name, c)
+    full_adam = cats("tp1")[0]["optimizer"]
+    assert full_adam >= 2 * cats("tp1")[0]["gradient"]
+    for c in cats("dist_opt"):
+        assert abs(c["optimizer"] - full_adam / 2) <= 0.01 * full_adam, c

@@ -35,6 +35,13 @@ _EXTRA_FLAGS = {
     "loss_scale_window": ("--loss-scale-window", float, 1000),
     "hysteresis": ("--hysteresis", int, 2),
     "use_cpu_initialization": ("--use-cpu-initialization", bool, False),
+    # Kernel fusions change what is saved for backward; Megatron-LM enables them unless told otherwise (GPU only).
+    "no_bias_gelu_fusion": ("--no-bias-gelu-fusion", bool, False),
+    "no_bias_swiglu_fusion": ("--no-bias-swiglu-fusion", bool, False),
+    "no_masked_softmax_fusion": ("--no-masked-softmax-fusion", bool, False),
+    "no_bias_dropout_fusion": ("--no-bias-dropout-fusion", bool, False),
+    "no_rope_fusion": ("--no-rope-fusion", bool, False),
+    "no_gradient_accumulation_fusion": ("--no-gradient-accumulation-fusion", bool, False),
 }
 
 
@@ -143,7 +150,12 @@ def transformer_config(cfg, extra: dict):
         # (deallocate_pipeline_outputs) the sent output right away: the peer then receives garbage (NaN loss).
         kw.update(overlap_p2p_comm=False, batch_p2p_comm=True)
     else:
-        kw.update(bias_activation_fusion=False, gradient_accumulation_fusion=False)
+        kw.update(bias_activation_fusion=not extra["no_bias_swiglu_fusion" if cfg.swiglu else "no_bias_gelu_fusion"],
+                  masked_softmax_fusion=not extra["no_masked_softmax_fusion"],
+                  bias_dropout_fusion=not extra["no_bias_dropout_fusion"],
+                  apply_rope_fusion=not extra["no_rope_fusion"],
+                  # needs TE's (or apex's) fused wgrad kernel; Megatron-LM turns it off without them too
+                  gradient_accumulation_fusion=_use_te(cfg) and not extra["no_gradient_accumulation_fusion"])
     if not cfg.is_moe:
         for k in [k for k in kw if k.startswith("moe_")]:
             kw.pop(k)

@@ -9,10 +9,13 @@ Category rules (one per allocation, first match wins; "scope" means the innermos
                  or allocated before the first iteration inside a setup scope whose name contains "optim"
   temporary      allocated inside `optim` and freed before it closes
   gradient       allocated before the first iteration inside a setup scope whose name contains "ddp"/"grad"
-                 (DDP main_grad buffers), or allocated in backward (bwd/bwdlayer) and still live after its
+                 (DDP main_grad buffers; with the distributed optimizer DDP also allocates a contiguous param
+                 buffer there, recognised by the weights freed right after it: that one is a parameter), or allocated in backward (bwd/bwdlayer) and still live after its
                  iteration closes (param.grad created by the first backward)
-  parameter      allocated before the first iteration (outside optim/ddp/grad setup scopes) and still live
-                 when the last iteration closes (weights; also unlabelled DDP buffers - label them to split them)
+  parameter      allocated before the first iteration inside a setup scope whose name contains "model" and
+                 still live when the last iteration closes; when the trace has no such scope (a user's
+                 pretrain_gpt.py), any allocation before the first iteration that lives to the end (weights,
+                 and then also unlabelled DDP buffers)
   saved          allocated in forward (fwd, or recompute in backward) and still live when that microbatch's
                  fwd scope (or the recompute scope) closes, but freed by the end of its iteration
   temporary      allocated inside an iteration and freed before the end of it (in forward, before the fwd scope
@@ -40,11 +43,13 @@ PARAMETER, GRADIENT, OPTIMIZER, SAVED, TEMPORARY, COMMUNICATION, OTHER = range(l
 K_OTHER, K_ITER, K_FWD, K_BWD, K_MOD, K_BWDLAYER, K_RECOMPUTE, K_OPTIM, K_COMM, K_LOSS = range(10)
 _COMM_NAMES = {"grad_sync", "param_gather", "pp_send", "pp_recv"}
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
+_EXPERT_RE = re.compile(r"\.local_experts\.\d+(?=\.|$)")
 
 
 def normalise_op(path: str) -> tuple[str, int | None]:
     """`module.decoder.layers.7.mlp.linear_fc1` -> (`layers.*.mlp.linear_fc1`, 7); `decoder.final_layernorm` ->
-    (`final_layernorm`, None). Leading wrapper segments (`module`, chunk indices, `decoder`) are dropped."""
+    (`final_layernorm`, None); `...mlp.experts.local_experts.5.linear_fc1` -> `...mlp.experts.linear_fc1`.
+    Leading wrapper segments (`module`, chunk indices, `decoder`) are dropped."""
     parts = path.split(".") if path else []
     while parts and (parts[0] == "module" or parts[0].isdigit()):
         parts.pop(0)
@@ -55,7 +60,9 @@ def normalise_op(path: str) -> tuple[str, int | None]:
     if m is None:
         return (rest or "model"), None
     layer = int(m.group(2))
-    return rest[: m.start(2)] + "*" + rest[m.end(2):], layer
+    # per-expert modules of a SequentialMLP fold into one op (summed over local experts), as parameters do
+    op = _EXPERT_RE.sub("", rest[: m.start(2)] + "*" + rest[m.end(2):])
+    return op, layer
 
 
 def _classify_name(name: str) -> tuple[int, int, str | None, int | None]:
@@ -131,7 +138,8 @@ def replay(kind: np.ndarray, ptr: np.ndarray, size: np.ndarray):
     """Pair each FREE with the MALLOC of its pointer (vectorised) and return (live, malloc_idx, free_idx).
 
     Stable-sorting memory events by pointer keeps file order within a pointer; a FREE is matched when the event
-    just before it for the same pointer is a MALLOC. Unmatched FREEs (memory from before tracing, double frees)
+    just before it for the same pointer is a MALLOC; a MALLOC right after a MALLOC of the same pointer ends the
+    earlier one (as in the core's counter). Unmatched FREEs (memory from before tracing, double frees)
     change nothing, as in the allocator's counter. free_idx is len(kind) for allocations never freed."""
     n = len(kind)
     is_malloc = kind == MALLOC
@@ -141,9 +149,11 @@ def replay(kind: np.ndarray, ptr: np.ndarray, size: np.ndarray):
     idx_s = mem[order]
     k_s, p_s = kind[idx_s], pm[order]
     pair = (k_s[1:] == FREE) & (k_s[:-1] == MALLOC) & (p_s[1:] == p_s[:-1])   # pair[j]: j is MALLOC, j+1 frees it
+    # a MALLOC of a pointer still live replaces the old allocation (the core's counter applies the same rule)
+    pair |= (k_s[1:] == MALLOC) & (k_s[:-1] == MALLOC) & (p_s[1:] == p_s[:-1])
     m_of, f_of = idx_s[:-1][pair], idx_s[1:][pair]
     delta = np.where(is_malloc, size, 0).astype(np.int64)
-    delta[f_of] = -delta[m_of]
+    delta[f_of] -= np.where(is_malloc, size, 0)[m_of].astype(np.int64)
     live = np.cumsum(delta)
     free_of = np.full(n, n, np.int64)
     free_of[m_of] = f_of
@@ -286,6 +296,9 @@ def _allocations(sc: Scopes, m_idx, f_idx, size, n, names) -> dict:
     low = [nm.lower() for nm in names] or [""]
     lab_optim = np.array(["optim" in nm for nm in low])[lab_tag] & (lab >= 0)
     lab_grad = np.array([("ddp" in nm or "grad" in nm) for nm in low])[lab_tag] & (lab >= 0)
+    is_model_tag = np.array(["model" in nm for nm in low])
+    lab_model = is_model_tag[lab_tag] & (lab >= 0)
+    has_model_scope = bool(is_model_tag[sc.tag[sc.kind == K_OTHER]].any()) if len(sc.tag) else False
     outlives_it = (it >= 0) & (f_idx > it_close)
     in_fwd = np.isin(ph_kind, (K_FWD, K_RECOMPUTE))
     in_bwd = np.isin(ph_kind, (K_BWD, K_BWDLAYER))
@@ -296,13 +309,38 @@ def _allocations(sc: Scopes, m_idx, f_idx, size, n, names) -> dict:
         pre & lab_optim,
         pre & lab_grad,
         in_bwd & outlives_it,
-        pre & (f_idx >= last_iter_end) & (first_iter < n),
+        pre & (f_idx >= last_iter_end) & (first_iter < n) & (lab_model | (not has_model_scope)),
         in_fwd & (f_idx > ph_close) & ~outlives_it,
         (it >= 0) & ~outlives_it,
     ]
     cats = [COMMUNICATION, OPTIMIZER, TEMPORARY, OPTIMIZER, GRADIENT, GRADIENT, PARAMETER, SAVED, TEMPORARY]
-    return {"idx": m_idx, "free": f_idx, "size": size, "scope": row, "category": np.select(conds, cats, OTHER),
+    category = np.select(conds, cats, OTHER)
+    _split_ddp_param_buffers(sc, m_idx, f_idx, n, lab, pre & lab_grad, is_model_tag, category)
+    return {"idx": m_idx, "free": f_idx, "size": size, "scope": row, "category": category,
             **{f"{name}_row": v for name, v in at.items()}}
+
+
+def _split_ddp_param_buffers(sc, m_idx, f_idx, n, lab, in_ddp, tag_is_model, category) -> None:
+    """With the distributed optimizer, megatron's DDP allocates per buffer a contiguous param buffer, then the grad
+    buffer, then frees the weights built by the model (copied into the param buffer). So inside a ddp scope,
+    an allocation followed by one more allocation and then by frees of setup:model allocations is a parameter
+    buffer. Without such frees (no param buffer) every ddp allocation stays a gradient buffer."""
+    ddp = np.flatnonzero(in_ddp)
+    if len(ddp) < 2:
+        return
+    lab_tag = at_rows(sc.tag, lab, 0)
+    model_frees = np.sort(f_idx[(lab >= 0) & tag_is_model[lab_tag] & (f_idx < n)])
+    ddp = ddp[np.argsort(m_idx[ddp])]
+    for d_row in np.unique(lab[ddp]):
+        rows = ddp[lab[ddp] == d_row]
+        close = sc.close[d_row]
+        ends = np.append(m_idx[rows][2:], close)     # a pair (i, i+1) must see model frees before alloc i+2
+        for i in range(len(rows) - 1):
+            lo, hi = m_idx[rows[i + 1]], ends[i]
+            n_between = np.searchsorted(model_frees, hi) - np.searchsorted(model_frees, lo)
+            n_inside = np.searchsorted(model_frees, m_idx[rows[i + 1]]) - np.searchsorted(model_frees, m_idx[rows[i]])
+            if n_between and not n_inside and category[rows[i]] == GRADIENT:
+                category[rows[i]] = PARAMETER
 
 
 def saved_mask(pr: ParsedRank) -> np.ndarray:

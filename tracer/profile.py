@@ -251,7 +251,8 @@ def _run_pretrain(opts: Options, on_setup, on_iteration_end) -> None:
 
     from tracer import scopes
     script = os.path.abspath(opts.target)
-    sys.path.insert(0, os.path.dirname(script))
+    if os.path.dirname(script) not in sys.path:
+        sys.path.insert(0, os.path.dirname(script))
     try:
         from megatron.training import training
     except ImportError as e:
@@ -282,6 +283,8 @@ def _run_pretrain(opts: Options, on_setup, on_iteration_end) -> None:
     training.train_step = train_step
     saved_argv = sys.argv
     sys.argv = pretrain_argv(script, opts.flags, opts.iterations)
+    if opts.cpu and "--distributed-backend" not in sys.argv:
+        sys.argv += ["--distributed-backend", "gloo"]   # experimental: Megatron-LM's training loop wants CUDA
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:   # Megatron exits on its own after the last iteration in some versions
@@ -298,6 +301,10 @@ def worker(opts: Options) -> int:
     os.makedirs(opts.out, exist_ok=True)
     prefix = os.path.join(opts.out, f"rank{rank}")
     cpu = opts.cpu
+    if not opts.is_harness:
+        # The checkout's `megatron` package must win over an installed megatron-core: put it first, before
+        # anything here imports megatron.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(opts.target)))
     backend = _install_tracing(prefix, cpu)
 
     import torch
@@ -314,7 +321,8 @@ def worker(opts: Options) -> int:
     allocator.mark("start")
     status = 0
     try:
-        _init_distributed(cpu, rank, world)
+        if opts.is_harness:
+            _init_distributed(cpu, rank, world)   # a pretrain_gpt.py initialises its own (Megatron's options)
         scopes.attach_module_hooks()
         scopes.patch_megatron()
 
@@ -406,10 +414,14 @@ def summarize(out: str, world: int) -> None:
         except (OSError, ValueError):
             print(f"rank {r}: no header at {path}")
             continue
-        peak = h.get("allocator_peak_bytes")
-        losses = h.get("losses")
-        print(f"rank {r} coords={h.get('coords')} peak={peak / 2**20:.2f} MiB" if peak is not None else
-              f"rank {r}: no peak", f"losses={[round(x, 4) for x in losses if x is not None]}" if losses else "")
+        peak, losses = h.get("allocator_peak_bytes"), h.get("losses") or []
+        line = f"rank {r} coords={h.get('coords')}"
+        line += f" peak={peak / 2**20:.2f} MiB" if peak is not None else " (no peak: the run did not finish)"
+        if any(x is not None for x in losses):
+            line += f" losses={[round(x, 4) for x in losses if x is not None]}"
+        if h.get("error"):
+            line += f" FAILED: {h['error']}"
+        print(line)
     print(f"traces in {out}/rank<R>.trace/.names/.json")
 
 
@@ -425,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             rc = spawn_cpu(opts, argv, world)
             summarize(opts.out, world)
             return rc
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("no CUDA device here: pass --cpu to profile on CPU with gloo")
         return relaunch_torchrun(opts, argv)
     except _Help:
         print(USAGE + "\n" + (__doc__ or "").split("\n\n", 2)[-1].strip())

@@ -1,0 +1,284 @@
+"""estimator.args: Megatron flag names, defaults, derived values and validation.
+
+Derived values and messages are checked against megatron-core itself where it owns the rule (TransformerConfig,
+the microbatch calculator); Megatron-LM's training-side rules (ffn 4h / swiglu, vocab padding) are checked by
+their definitions. Messages are compared ignoring whitespace: megatron-core concatenates some strings without
+spaces ("...divisible bythe middle...").
+"""
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from estimator.args import ConfigError, TrainingConfig, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --max-position-embeddings 64 "
+         "--micro-batch-size 1 --vocab-size 1000 ")
+
+
+def parse(extra: str) -> TrainingConfig:
+    return parse_args(shlex.split(SMALL + extra))
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def _megatron_error(**kwargs) -> str:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with pytest.raises(ValueError) as info:
+        TransformerConfig(**kwargs)
+    return str(info.value)
+
+
+def test_example_launch_script_parses():
+    # Run the bundled sed-replaced launch script with `python` captured, i.e. exactly the argv a user passes.
+    script = REPO / "examples" / "estimate_llama2_7b.sh"
+    captured = subprocess.run(["bash", "-c", 'python() { printf "%s\\0" "$@"; }; source "$0"', str(script)],
+                              capture_output=True, check=True, cwd=REPO).stdout.decode()
+    argv = captured.split("\0")[:-1]
+    assert argv[0] == "get_training_info.py"
+    cfg = parse_args(argv[1:])
+    assert cfg.world_size == cfg.nproc_per_node * cfg.nnodes == 16
+    assert cfg.data_parallel_size == cfg.world_size // (cfg.tensor_model_parallel_size
+                                                        * cfg.pipeline_model_parallel_size)
+    assert cfg.params_dtype == "bf16" and cfg.accumulate_allreduce_grads_in_fp32
+    assert cfg.attention_kernel == "flash"
+    assert "--lr" in cfg.ignored_args and "--data-path" in cfg.ignored_args
+    flags = [a for a in cfg.ignored_args if a.startswith("--")]
+    assert len(flags) == len(set(flags))
+
+
+def test_defaults_are_megatrons():
+    cfg = parse("")
+    assert cfg.ffn_hidden_size == 4 * cfg.hidden_size
+    assert cfg.kv_channels == cfg.hidden_size // cfg.num_attention_heads
+    assert cfg.num_query_groups == cfg.num_attention_heads
+    assert cfg.expert_tensor_parallel_size == cfg.tensor_model_parallel_size
+    assert cfg.global_batch_size == cfg.micro_batch_size * cfg.data_parallel_size
+    assert cfg.params_dtype == "fp32"
+    assert cfg.add_bias_linear and cfg.add_qkv_bias
+    assert (cfg.normalization, cfg.position_embedding_type, cfg.transformer_impl) == \
+        ("LayerNorm", "learned_absolute", "transformer_engine")
+    assert cfg.make_vocab_size_divisible_by == 128 and cfg.moe_router_topk == 2
+
+
+def test_swiglu_ffn_rule():
+    for hidden in (64, 4096, 5120, 8192):
+        cfg = parse(f"--swiglu --hidden-size {hidden}")
+        assert cfg.ffn_hidden_size == int((4 * hidden * 2 / 3) / 64) * 64
+
+
+def test_num_query_groups_only_with_gqa_flag():
+    assert parse("--num-query-groups 2").num_query_groups == 8  # Megatron ignores it without the flag
+    assert parse("--group-query-attention --num-query-groups 2").num_query_groups == 2
+
+
+def test_vocab_padding_and_tokenizers():
+    cfg = parse("--tensor-model-parallel-size 2 --nproc_per_node 2")
+    multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
+    assert cfg.padded_vocab_size % multiple == 0
+    assert 0 <= cfg.padded_vocab_size - cfg.vocab_size < multiple
+    gpt2 = parse_args(shlex.split(SMALL.replace("--vocab-size 1000", "--tokenizer-type GPT2BPETokenizer")))
+    assert gpt2.padded_vocab_size % 128 == 0 and gpt2.padded_vocab_size >= 50257
+    null = parse("--tokenizer-type NullTokenizer")
+    assert null.padded_vocab_size % 128 == 0
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        parse_args(shlex.split(SMALL.replace("--vocab-size 1000", "--tokenizer-type HuggingFaceTokenizer")))
+
+
+def test_torchrun_spellings_and_elastic_nnodes():
+    a = parse("--nproc_per_node 4 --nnodes 2 --node_rank 1 --master_addr h --master_port 1234")
+    b = parse("--nproc-per-node=4 --nnodes 1:2 --node-rank 1 --master-addr h --master-port 1234")
+    assert a.world_size == b.world_size == 8
+    assert not a.ignored_args and not b.ignored_args
+
+
+def test_unknown_flags_and_values_are_collected():
+    cfg = parse("--lr 3e-4 --split 949,50,1 --foo=bar --no-value-flag --save /ckpt")
+    assert cfg.ignored_args == ["--lr", "3e-4", "--split", "949,50,1", "--foo=bar", "--no-value-flag",
+                                "--save", "/ckpt"]
+
+
+def test_recompute_activations_means_selective():
+    assert parse("--recompute-activations").recompute_granularity == "selective"
+
+
+@pytest.mark.parametrize("flags,kernel", [
+    ("--transformer-impl local", "unfused"),
+    ("--transformer-impl local --use-flash-attn", "unfused"),
+    ("--use-flash-attn", "flash"),
+    ("", "flash"),
+    ("--attention-backend unfused", "unfused"),
+    ("--attention-backend fused", "flash"),
+    ("--transformer-impl local --attention-backend local", "unfused"),
+])
+def test_attention_kernel(flags, kernel):
+    assert parse(flags).attention_kernel == kernel
+
+
+def test_sequence_parallel_turned_off_without_tp():
+    cfg = parse("--sequence-parallel")
+    assert cfg.sequence_parallel is False and cfg.warnings
+
+
+def test_virtual_pipeline_size():
+    cfg = parse("--num-layers 8 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+                "--num-layers-per-virtual-pipeline-stage 2")
+    assert cfg.virtual_pipeline_model_parallel_size == 8 // 2 // 2
+    assert parse("--pipeline-model-parallel-size 2 --nproc_per_node 2 --virtual-pipeline-model-parallel-size 2"
+                 ).virtual_pipeline_model_parallel_size == 2
+
+
+@pytest.mark.megatron
+def test_microbatches_and_batch_error_match_megatron_core():
+    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+
+    cfg = parse("--nproc_per_node 4 --micro-batch-size 2 --global-batch-size 64")
+    calc = ConstantNumMicroBatchesCalculator(64, 2, cfg.data_parallel_size, False, 0)
+    assert cfg.num_microbatches == calc.get()
+    with pytest.raises(AssertionError) as theirs:
+        ConstantNumMicroBatchesCalculator(60, 8, 4, False, 0)
+    with pytest.raises(ConfigError) as ours:
+        parse("--nproc_per_node 4 --micro-batch-size 8 --global-batch-size 60")
+    assert _squash(str(ours.value)) == _squash(str(theirs.value))
+
+
+def test_expert_data_parallel_size():
+    cfg = parse("--nproc_per_node 8 --tensor-model-parallel-size 2 --num-experts 8 --expert-model-parallel-size 4 "
+                "--expert-tensor-parallel-size 1 --sequence-parallel")
+    assert cfg.expert_data_parallel_size == cfg.world_size // (cfg.expert_model_parallel_size
+                                                              * cfg.expert_tensor_parallel_size)
+
+
+@pytest.mark.parametrize("flags,core_kwargs", [
+    ("--hidden-size 96 --num-attention-heads 6 --tensor-model-parallel-size 4 --nproc_per_node 4",
+     dict(num_layers=4, hidden_size=96, num_attention_heads=6, tensor_model_parallel_size=4)),
+    ("--hidden-size 96 --num-attention-heads 12 --group-query-attention --num-query-groups 6 "
+     "--tensor-model-parallel-size 4 --nproc_per_node 4",
+     dict(num_layers=4, hidden_size=96, num_attention_heads=12, num_query_groups=6, tensor_model_parallel_size=4)),
+    ("--num-layers 7 --pipeline-model-parallel-size 4 --nproc_per_node 4 --decoder-first-pipeline-num-layers 1 "
+     "--decoder-last-pipeline-num-layers 1",
+     dict(num_layers=7, hidden_size=64, num_attention_heads=8, pipeline_model_parallel_size=4,
+          num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)),
+    ("--num-layers 4 --pipeline-model-parallel-size 4 --nproc_per_node 4 --decoder-first-pipeline-num-layers 2 "
+     "--decoder-last-pipeline-num-layers 2",
+     dict(num_layers=4, hidden_size=64, num_attention_heads=8, pipeline_model_parallel_size=4,
+          num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)),
+    ("--num-layers 12 --pipeline-model-parallel-size 4 --nproc_per_node 4 --num-virtual-stages-per-pipeline-rank 2 "
+     "--decoder-first-pipeline-num-layers 3",
+     dict(num_layers=12, hidden_size=64, num_attention_heads=8, pipeline_model_parallel_size=4,
+          virtual_pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=3)),
+])
+@pytest.mark.megatron
+def test_validation_messages_match_megatron_core(flags, core_kwargs):
+    import torch
+
+    core_kwargs.setdefault("pipeline_dtype", torch.float32)
+    theirs = _megatron_error(**core_kwargs)
+    with pytest.raises(ConfigError) as ours:
+        parse(flags)
+    assert _squash(str(ours.value)) == _squash(theirs)
+
+
+@pytest.mark.parametrize("flags,message", [
+    ("--nproc_per_node 3 --tensor-model-parallel-size 2", "is not divisible by total_model_size"),
+    ("--num-layers 3 --pipeline-model-parallel-size 2 --nproc_per_node 2", "Number of layers should be divisible"),
+    ("--num-experts 6 --expert-model-parallel-size 4 --nproc_per_node 4", "Number of experts should be a multiple"),
+    ("--expert-model-parallel-size 2 --nproc_per_node 2", "num_experts must be non None"),
+    ("--recompute-granularity full", "recompute_method must be"),
+    ("--recompute-granularity selective --recompute-method uniform", "recompute method is not yet supported"),
+    ("--bf16 --fp16", "Only one of"),
+    ("--overlap-param-gather", "--overlap-param-gather only supported with distributed optimizer"),
+    ("--seq-length 128", "must be greater than or equal to seq_length"),
+    ("--num-layers x", "invalid int value"),
+    ("--normalization BatchNorm", "invalid choice"),
+    ("--batch-size 4", "--batch-size argument is no longer valid"),
+    ("--context-parallel-size 2 --nproc_per_node 2 --seq-length 30", "multiple of 2 * context-parallel-size"),
+    ("--pipeline-model-parallel-size 2 --nproc_per_node 2 --num-virtual-stages-per-pipeline-rank 2 "
+     "--no-overlap-p2p-communication", "should be greater than 2"),
+])
+def test_invalid_combinations(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(flags)
+
+
+def test_missing_required():
+    with pytest.raises(ConfigError, match="num_layers"):
+        parse_args(shlex.split(SMALL.replace("--num-layers 4 ", "")))
+
+
+def test_round_trip():
+    cfg = parse("--num-experts 4 --moe-layer-freq ([1]*2+[0]*2)")
+    assert cfg.moe_layer_freq == [1, 1, 0, 0]
+    again = TrainingConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    with pytest.raises(ConfigError):
+        TrainingConfig.from_dict({"not_a_field": 1})
+
+
+def test_hf_config_llama_and_override(tmp_path):
+    hf = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512, "vocab_size": 1000,
+          "hidden_act": "silu", "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    cfg = parse_args(shlex.split(f"--hf-config {path} --seq-length 128 --micro-batch-size 1 --num-layers 2"))
+    assert cfg.num_layers == 2  # flags win over the file
+    assert cfg.hidden_size == hf["hidden_size"] and cfg.ffn_hidden_size == hf["intermediate_size"]
+    assert cfg.num_query_groups == hf["num_key_value_heads"] and cfg.group_query_attention
+    assert cfg.swiglu and cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope"
+    assert not cfg.add_bias_linear and cfg.untie_embeddings_and_output_weights
+
+
+def test_hf_config_mixtral_qwen_gpt2(tmp_path):
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 64,
+               "vocab_size": 1000, "num_local_experts": 8, "num_experts_per_tok": 2}
+    qwen = dict(mixtral, model_type="qwen2")
+    del qwen["num_local_experts"], qwen["num_experts_per_tok"]
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 8, "n_positions": 64, "vocab_size": 1000}
+    configs = {}
+    for name, hf in (("mixtral", mixtral), ("qwen", qwen), ("gpt2", gpt2)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(hf))
+        configs[name] = parse_args(shlex.split(f"--hf-config {tmp_path / name}.json --seq-length 32 "
+                                               "--micro-batch-size 1"))
+    assert configs["mixtral"].num_experts == mixtral["num_local_experts"]
+    assert configs["mixtral"].moe_ffn_hidden_size == mixtral["intermediate_size"]
+    assert configs["qwen"].add_qkv_bias and not configs["qwen"].add_bias_linear
+    assert configs["gpt2"].ffn_hidden_size == 4 * gpt2["n_embd"]
+    assert not configs["gpt2"].untie_embeddings_and_output_weights
+    assert configs["gpt2"].position_embedding_type == "learned_absolute"
+
+
+def test_hf_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse(f"--hf-config {tmp_path}/missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse(f"--hf-config {tmp_path}/bad.json")
+    (tmp_path / "t5.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match="not supported"):
+        parse(f"--hf-config {tmp_path}/t5.json")
+
+
+def test_presets_parse():
+    presets = sorted((REPO / "estimator" / "presets").glob("*.json"))
+    assert len(presets) >= 7
+    for preset in presets:
+        data = json.loads(preset.read_text())
+        cfg = parse_args(data["args"] + ["--micro-batch-size", "1", "--nproc_per_node", "8",
+                                         "--nnodes", "8"])
+        assert not cfg.ignored_args, preset.name
+
+
+def test_estimator_modules_import_no_torch():
+    code = ("import sys, estimator.args, estimator.model, estimator.hf_config; "
+            "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; sys.exit(bool(bad))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
