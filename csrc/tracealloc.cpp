@@ -66,7 +66,8 @@ inline uint64_t now_ns() {
 class PtrMap {
  public:
   PtrMap() { rehash(1 << 16); }
-  void clear() { rehash(1 << 16); }
+  // Drop every entry (rehash alone would carry the old ones over into the new table).
+  void clear() { keys_.clear(); vals_.clear(); rehash(1 << 16); }
   // Returns the previous size if `p` was live (replaced), else 0 with *had = false.
   uint64_t put(uint64_t p, uint64_t size, bool* had) {
     if ((count_ + 1) * 2 > cap_) rehash(cap_ * 2);

@@ -192,6 +192,23 @@ def test_unknown_free_ignored_and_reset_peak(trace):
     lib.mt_host_free(q, 10)
 
 
+def test_reopen_starts_with_an_empty_pointer_map(tmp_path):
+    """A pointer still live when one trace closes must not leak into the next trace's counters."""
+    lib = A.lib()
+    A.open_trace(tmp_path / "first", "host")
+    lib.mt_log_malloc(0x100, 4000, -1, None)
+    A.close()
+    A.open_trace(tmp_path / "second", "host")
+    lib.mt_log_malloc(0x100, 4000, -1, None)
+    lib.mt_log_malloc(0x200, 1000, -1, None)
+    assert (A.live_bytes(), A.peak_bytes()) == (5000, 5000)
+    lib.mt_log_free(0x100, 4000, -1, None)
+    assert (A.live_bytes(), A.peak_bytes()) == (1000, 5000)
+    A.close()
+    _, recs = read_trace(tmp_path / "second.trace")
+    assert replay(recs) == (1000, 5000)
+
+
 def test_truncated_file_keeps_complete_records(trace, tmp_path):
     lib = A.lib()
     for i in range(100):

@@ -6,12 +6,10 @@ section 7, e*(16sbh + a s^2 b) (divided by t with TP+SP), within 1%; selective r
 term (e*16sbh); full recompute keeps only the layer's output, which is the next layer's input (e*sbh). The parser's
 peak must equal the allocator's own peak counter (`allocator_peak_bytes` in the header), exactly.
 
-One CPU-path artifact is identified and subtracted explicitly, never hidden in a tolerance: megatron's RNG
-tracker fork (around attention dropout) keeps the previous generator state, a `torch.get_rng_state()` ByteTensor
-(5056 bytes), alive until the next fork. On CPU the compat layer maps the CUDA RNG to the CPU generator, so that
-state is a traced CPU tensor; on GPU it is host memory the CUDA allocator never sees. With recompute, megatron's
-CheckpointFunction also keeps the CPU and "CUDA" generator states and the tracker states of each checkpointed
-call (three more such tensors per call on CPU, none on GPU).
+RNG states: megatron's RNG tracker fork keeps the previous generator state alive until the next fork, and
+recompute's CheckpointFunction keeps more. On GPU these are host tensors the CUDA allocator never sees; the CPU
+compat layer keeps its stand-ins out of the traced allocator too, and this test checks that no RNG-state-sized
+(5056 B) tensor is left among the saved bytes.
 """
 import os
 import subprocess
@@ -57,14 +55,14 @@ def profile(out, nproc, extra):
 
 
 def per_layer_saved(pr):
-    """{(layer, microbatch): (saved bytes per the parser, of which RNG-state bytes)} for the last iteration."""
+    """{(layer, microbatch): (saved bytes per the parser, of which RNG-state-sized tensors)} for the last iteration."""
     it = max(r["iteration"] for r in pr.op_stats)
     out = {}
     for r in pr.op_stats:
         if r["iteration"] == it and r["layer"] is not None:
             k = (r["layer"], r["microbatch"])
             out[k] = out.get(k, 0) + r["saved_bytes"]
-    a, sc = pr.allocs, pr.scopes
+    a = pr.allocs
     m = saved_mask(pr) & (a["size"] == RNG_STATE_BYTES)
     rng = dict.fromkeys(out, 0)
     for j in np.flatnonzero(m):
@@ -110,10 +108,10 @@ def test_saved_bytes_per_layer_match_closed_form(runs, name):
         assert got, f"rank {pr.rank}: no layer ops in the trace"
         for (layer, mb), (saved, rng) in sorted(got.items()):
             seen_layers.add(layer)
-            print(f"{name} rank {pr.rank} layer {layer} mb {mb}: saved {saved} B (RNG state {rng} B), "
-                  f"closed form {expected} B, ratio {(saved - rng) / expected:.5f}")
-            assert rng % RNG_STATE_BYTES == 0 and rng <= 3 * RNG_STATE_BYTES
-            assert abs(saved - rng - expected) <= 0.01 * expected, (name, pr.rank, layer, mb, saved, rng, expected)
+            print(f"{name} rank {pr.rank} layer {layer} mb {mb}: saved {saved} B, closed form {expected} B, "
+                  f"ratio {saved / expected:.5f}")
+            assert rng == 0, f"RNG-state tensors leaked into the trace: {rng} B on layer {layer}"
+            assert abs(saved - expected) <= 0.01 * expected, (name, pr.rank, layer, mb, saved, expected)
     assert seen_layers == set(range(L))
 
 

@@ -85,7 +85,7 @@ def _patch_torch_cuda() -> None:
     c.stream = lambda stream=None: contextlib.nullcontext()
     c.set_device = lambda device: None
     # One RNG for everything: the CUDA tracker's get/set/seed calls act on the CPU generator.
-    c.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    c.get_rng_state = lambda device="cuda": _untraced_rng_state()
     c.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (a lazy no-op on CPU): leave that one alone and
     # seed the CPU generator directly here to avoid recursion.
@@ -111,18 +111,29 @@ def _patch_tensor_type() -> None:
         setattr(torch.cuda, name, getattr(torch, name))
 
 
+def _untraced_rng_state():
+    """A copy of the CPU generator state in memory torch does not own, so the allocator hook never sees it.
+
+    On a GPU the CUDA RNG states that Megatron's tracker forks and recompute keeps are host tensors, invisible to
+    the device allocator; as traced CPU tensors they would add 5056 B per fork to the layers' saved bytes."""
+    state = torch.default_generator.get_state()  # what torch.get_rng_state() returns, without the patch below
+    return torch.frombuffer(bytearray(state.numpy().tobytes()), dtype=torch.uint8)
+
+
 def _patch_rng_tracker() -> None:
     """Megatron's CUDA RNG tracker (dropout forks, recompute replay) reads/writes the CPU generator instead."""
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(device="cuda", clone=False, graph_safe=False):
-        return torch.get_rng_state()
+        return _untraced_rng_state()
 
     def set_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
+    # Checkpointing also keeps the CPU generator's state (torch.get_rng_state): host memory on a GPU run too.
+    torch.get_rng_state = _untraced_rng_state
 
 
 def _patch_torch_norm() -> None:
