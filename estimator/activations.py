@@ -8,7 +8,6 @@ at chunk entry during its forward) and `bwd_extra` (transient above the level wi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import formulas as F
 

@@ -12,9 +12,7 @@ import ast
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
-from estimator import hf_config
 
 
 class ConfigError(ValueError):
@@ -341,6 +339,7 @@ def parse_args(argv: list[str]) -> TrainingConfig:
     cfg = TrainingConfig()
     if "hf_config" in given:
         # The HF file describes the model; flags given explicitly on the command line still win.
+        from estimator import hf_config  # only with --hf-config
         for dest, value in hf_config.load_model_fields(given["hf_config"], ConfigError).items():
             setattr(cfg, dest, value)
     use_rope = given.pop("_use_rotary_position_embeddings", False)

@@ -8,7 +8,6 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 from estimator import comm as C
 from estimator import formulas as F
@@ -42,7 +41,14 @@ class Report:
     estimate: MEM.Estimate
     layout: PAR.ParallelLayout
     comm: C.CommReport
-    rank_params: list  # model.RankParams per pipeline stage (virtual stages merged)
+    _rank_params: Optional[list] = None
+
+    @property
+    def rank_params(self) -> list:
+        """model.RankParams per pipeline stage (virtual stages merged); built when a renderer first asks."""
+        if self._rank_params is None:
+            self._rank_params = _merged_stage_params(self.cfg)
+        return self._rank_params
 
 
 class UsageError(ConfigError):
@@ -108,12 +114,11 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
-    est = MEM.estimate(cfg, fset)
+    chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
+    est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
     layout = PAR.layout_from_config(cfg)
-    vpp = MODEL.virtual_stages(cfg)
-    chunks = {r: MEM.param_chunks(cfg, r, vpp) for r in range(cfg.pipeline_model_parallel_size)}
     comm = C.communication(cfg, layout, chunks)
-    return Report(cfg, fset, est, layout, comm, _merged_stage_params(cfg))
+    return Report(cfg, fset, est, layout, comm)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -21,7 +21,6 @@ all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, send = me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
 
 from estimator.parallel import ParallelLayout, layout_from_config
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, precision
@@ -170,25 +169,30 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     e, eg = DTYPE_BYTES[pdt], DTYPE_BYTES[gdt]
     tied = not _g(cfg, "untie_embeddings_and_output_weights", False)
     layers = layers_per_stage(cfg)
-    stage_ranks = {p: [r.rank for r in lay.ranks if r.pp == p] for p in range(pp)}
+    stage_ranks = {p: lay.stage_ranks(p) for p in range(pp)}
     rows: list = []
     notes: list = []
+    members: dict = {}  # (group kind, stages) -> (issuing ranks, groups that hold one of them)
 
     def add(dim, op, what, group, shape, dtype, per_mb, stages, phase, per_iter=None, modelled=False, direction=""):
         nbytes = DTYPE_BYTES.get(dtype, 4)
         for x in shape:
             nbytes *= x
-        ranks = sorted(r for p in stages for r in stage_ranks[p])
+        key = (group, tuple(stages))
+        hit = members.get(key)
+        if hit is None:
+            ranks = sorted(r for p in stages for r in stage_ranks[p])
+            issuing = set(ranks)
+            groups = [g for g in lay.groups[group] if not issuing.isdisjoint(g)]
+            hit = members[key] = (ranks, groups, len(groups[0]) if groups else 1)
+        ranks, groups, size = hit
         if not ranks or per_mb == 0 and not per_iter:
             return
-        groups = [g for g in lay.groups[group] if set(g) & set(ranks)]
-        size = len(groups[0]) if groups else 1
         if size <= 1:
             return  # a group of one moves nothing
-        rows.append(Collective(dim=dim, op=op, what=what, group=group, group_size=size, groups=groups, ranks=ranks,
-                               shape=tuple(shape), dtype=dtype, bytes=nbytes, per_microbatch=per_mb,
-                               per_iteration=per_iter if per_iter is not None else per_mb * m, phase=phase,
-                               modelled=modelled, direction=direction))
+        # Each row gets its own lists, as if built afresh.
+        rows.append(Collective(dim, op, what, group, size, groups[:], ranks[:], tuple(shape), dtype, nbytes, per_mb,
+                               per_iter if per_iter is not None else per_mb * m, phase, modelled, direction))
 
     full_act, first, last = (s, b, h), [0], [pp - 1]
     recompute_full = _g(cfg, "recompute_granularity") == "full"
@@ -314,18 +318,22 @@ def _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt) -> None:
     """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers."""
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
     overlap = bool(_g(cfg, "overlap_grad_reduce", False))
+    memo: dict = {}  # equal chunks (same parameter list, same bucketing) have equal buckets
     for p, chunks in chunks_by_stage.items():
         for ci, chunk in enumerate(chunks):
+            content = tuple(chunk)
             for expert, group, size in ((False, "dp-cp", lay.dp * lay.cp), (True, "expert-dp", lay.edp)):
-                params = [q for q in chunk if bool(q.expert) == expert]
-                if not params:
-                    continue
                 # bucket_size: max(40M, 1M x dp) when overlapping, only on the first stage's first chunk.
                 bucket = max(40_000_000, 1_000_000 * lay.dp) if overlap and p == 0 and ci == 0 else None
-                bl = buffer_layout([q.numel for q in params], [q.shared_embedding for q in params], size, dist_opt,
-                                   bucket)
+                key = (content, expert, size, bucket)
+                buckets = memo.get(key)
+                if buckets is None:
+                    params = [q for q in chunk if bool(q.expert) == expert]
+                    buckets = memo[key] = buffer_layout(
+                        [q.numel for q in params], [q.shared_embedding for q in params], size, dist_opt,
+                        bucket).buckets if params else ()
                 kind = "expert " if expert else ""
-                for (b0, b1) in bl.buckets:
+                for (b0, b1) in buckets:
                     if dist_opt:
                         add("dp", "reduce-scatter", f"{kind}grad bucket (chunk {ci})", group, (b1 - b0,), gdt, 0, [p],
                             "step", per_iter=1)

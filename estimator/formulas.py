@@ -2,7 +2,7 @@
 
 A formula set maps (op, switches) to three byte counts: `saved` (held until the op's backward),
 `fwd_peak` and `bwd_peak` (transient above the level at op entry). Coefficients are exact rationals
-(fractions.Fraction) so a fitted set round-trips without float drift; evaluation is compiled to plain
+(fractions.Fraction; plain int for integers) so a fitted set round-trips without float drift; evaluation is compiled to plain
 float products once per (set, config) so thousands of estimates per second stay cheap.
 """
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 FORMAT = "megatron-memtrace-formulas"
 VERSION = 1
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "formula_sets")
+# Fitted sets are the fit stage's output; the estimator reads them as data (it imports nothing from fit/).
+FITTED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "sets")
+SET_DIRS = (SHIPPED_DIR, FITTED_DIR)
 DEFAULT_SET = "modelled"
 
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
@@ -46,8 +47,11 @@ class Term:
     coef: Fraction
     vars: Tuple[Tuple[str, int], ...]
 
+    def __post_init__(self):
+        object.__setattr__(self, "_fcoef", float(self.coef))  # converted once, not per evaluation
+
     def value(self, env: Mapping[str, float]) -> float:
-        x = float(self.coef)
+        x = self._fcoef
         for name, exp in self.vars:
             x *= env[name] ** exp
         return x
@@ -66,9 +70,21 @@ class Formula:
         return all(sw.get(k) == v for k, v in self.when)
 
     def evaluate(self, env: Mapping[str, float]) -> Tuple[float, float, float]:
-        """(saved, fwd_peak, bwd_peak) in bytes."""
-        return tuple(sum(t.value(env) for t in terms)
-                     for terms in (self.saved, self.fwd_peak, self.bwd_peak))
+        """(saved, fwd_peak, bwd_peak) in bytes (== sum(t.value(env) for t in terms) per quantity)."""
+        compiled = self.__dict__.get("_compiled")
+        if compiled is None:
+            compiled = tuple(tuple((t._fcoef, t.vars) for t in terms)
+                             for terms in (self.saved, self.fwd_peak, self.bwd_peak))
+            object.__setattr__(self, "_compiled", compiled)
+        out = []
+        for terms in compiled:
+            vals = []
+            for x, vs in terms:
+                for name, exp in vs:
+                    x *= env[name] ** exp
+                vals.append(x)
+            out.append(sum(vals))
+        return tuple(out)
 
 
 @dataclass
@@ -79,6 +95,10 @@ class FormulaSet:
     provenance: Dict[str, Any]
     formulas: List[Formula]
     path: Optional[str] = None
+    # Where an op or a quantity is missing (None: the fit could not determine it), the modelled set answers,
+    # so a gap in a fitted set never reads as 0 bytes. `fallbacks` records what was taken from it.
+    fallback: Optional["FormulaSet"] = None
+    fallbacks: set = field(default_factory=set, repr=False)
     _by_op: Dict[str, List[Formula]] = field(default_factory=dict, repr=False)
     _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -103,11 +123,13 @@ class FormulaSet:
 def _coef(raw: Any, where: str) -> Fraction:
     if isinstance(raw, bool):
         raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {raw!r}")
+    if isinstance(raw, int):
+        # An integer is already exact; fractions (which imports decimal) is loaded only for 'p/q' and floats.
+        return raw
+    from fractions import Fraction
     try:
         if isinstance(raw, str):
             return Fraction(raw.strip())
-        if isinstance(raw, int):
-            return Fraction(raw)
         if isinstance(raw, float):
             # Floats in a file are snapped to the nearest small rational (fits write 'p/q' anyway).
             return Fraction(raw).limit_denominator(1 << 20)
@@ -116,9 +138,9 @@ def _coef(raw: Any, where: str) -> Fraction:
     raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {raw!r}")
 
 
-def _terms(raw: Any, where: str) -> Tuple[Term, ...]:
+def _terms(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
     if raw is None:
-        return ()
+        return None  # undetermined by the data (a fitted set says so); select() falls back for it
     if not isinstance(raw, list):
         raise FormulaError(f"{where}: expected a list of terms")
     out = []
@@ -199,16 +221,25 @@ def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
     return FormulaSet(doc["name"], kind, str(doc.get("description", "")), prov, formulas, path)
 
 
+def shipped_sets() -> list:
+    """Names usable with --formulas: the modelled set(s) and the fitted sets shipped under fit/sets/."""
+    names = set()
+    for d in SET_DIRS:
+        if os.path.isdir(d):
+            names.update(f[:-5] for f in os.listdir(d) if f.endswith(".json"))
+    return sorted(names)
+
+
 def resolve(name_or_path: str) -> str:
-    """A shipped set's name ('modelled') or a file path -> the file path."""
+    """A shipped set's name ('modelled', 'cpu_local') or a file path -> the file path."""
     if os.path.isfile(name_or_path):
         return name_or_path
-    cand = os.path.join(SHIPPED_DIR, name_or_path + ("" if name_or_path.endswith(".json") else ".json"))
-    if os.path.isfile(cand):
-        return cand
-    shipped = sorted(f[:-5] for f in os.listdir(SHIPPED_DIR) if f.endswith(".json")) if os.path.isdir(SHIPPED_DIR) else []
+    for d in SET_DIRS:
+        cand = os.path.join(d, name_or_path + ("" if name_or_path.endswith(".json") else ".json"))
+        if os.path.isfile(cand):
+            return cand
     raise FormulaError(f"formula set {name_or_path!r}: no such file and not a shipped set "
-                       f"(shipped: {', '.join(shipped) or 'none'})")
+                       f"(shipped: {', '.join(shipped_sets()) or 'none'})")
 
 
 _LOADED: Dict[Tuple[str, float], FormulaSet] = {}
@@ -225,7 +256,10 @@ def load(name_or_path: str = DEFAULT_SET) -> FormulaSet:
             raise FormulaError(f"{path}: not valid JSON: {exc}") from None
         except OSError as exc:
             raise FormulaError(f"{path}: cannot read: {exc}") from None
-        _LOADED[key] = from_dict(doc, path)
+        fset = from_dict(doc, path)
+        if fset.kind == "fitted":
+            fset.fallback = load(DEFAULT_SET)
+        _LOADED[key] = fset
     return _LOADED[key]
 
 
@@ -301,14 +335,34 @@ def switches(cfg: Any) -> Dict[str, Any]:
 # ---------------------------------------------------------------- selection / evaluation
 
 def select(fset: FormulaSet, op: str, sw: Any) -> Optional[Formula]:
-    """The matching formula for `op` with the most `when` keys (first in file order on ties).
-    `sw` is a switch dict or a config. None when the set has no formula for the op/switches."""
+    """The matching formula for `op` with the most `when` keys (first in file order on ties), with any quantity
+    the set leaves undetermined (or an op it lacks) taken from its fallback set. `sw` is a switch dict or a config.
+    None when neither set has a formula for the op/switches."""
     if not isinstance(sw, dict) or "attention" not in sw:
         sw = switches(sw)
-    for fo in fset._by_op.get(op, ()):
-        if fo.matches(sw):
-            return fo
-    return None
+    try:
+        key = ("select", op, tuple(sw.items()))
+        return fset._cache[key]  # the set's formulas are fixed once loaded: one search per (op, switches)
+    except TypeError:  # unhashable switch values: search every time
+        key = None
+    except KeyError:
+        pass
+    found = next((fo for fo in fset._by_op.get(op, ()) if fo.matches(sw)), None)
+    gaps = [q for q in QUANTITIES if found is None or getattr(found, q) is None]
+    if gaps and fset.fallback is not None:
+        backup = select(fset.fallback, op, sw)
+        if backup is not None:
+            if found is None:
+                found = backup
+            else:
+                found = Formula(found.op, found.per, found.when,
+                                *(getattr(backup if q in gaps else found, q) for q in QUANTITIES))
+            fset.fallbacks.update((op, q) for q in gaps)
+    if found is not None and any(getattr(found, q) is None for q in QUANTITIES):
+        found = Formula(found.op, found.per, found.when, *(getattr(found, q) or () for q in QUANTITIES))
+    if key is not None:
+        fset._cache[key] = found
+    return found
 
 
 def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] = None,

@@ -7,7 +7,6 @@ tied embeddings). Only the fields that shape the model are returned; batch, para
 from __future__ import annotations
 
 import json
-from typing import Any
 
 _LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
 _GPT2_LIKE = {"gpt2"}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
 
 from . import activations as A
 from . import formulas as F
@@ -33,27 +32,58 @@ class Estimate:
     schedule: str
 
 
-def param_chunks(cfg, pp_rank: int, vpp: int) -> List[List[ParamInfo]]:
+def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
+    """ParamInfo per parameter of `ops`, in named_parameters order (SelfAttention registers linear_proj before
+    linear_qkv; embedding first, final norm and output layer last)."""
+    ops = sorted(enumerate(ops), key=lambda io: (io[1].layer if io[1].layer is not None else (-1 if io[1].op.startswith("embedding") else 1 << 30),
+                                              0 if "linear_proj" in io[1].op else 1, io[0]))
+    params: List[ParamInfo] = []
+    for _, op in ops:
+        shared = op.shared_embedding or (tied and pp > 1 and op.op == "embedding.word_embeddings")
+        for _ in range(op.count):
+            for shape in op.shapes:
+                n = 1
+                for x in shape:
+                    n *= x
+                params.append(ParamInfo(n, op.is_expert, shared))
+    return params
+
+
+def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -> List[List[ParamInfo]]:
+    """The rank's model chunks, each its parameters in named_parameters order (== _param_infos of
+    model.rank_params(cfg, pp_rank, vp).ops). A layer's parameters depend only on whether it is a MoE layer, so
+    each kind is expanded once and repeated."""
     from . import model as M  # owned by a colleague: rank_params(cfg, pp_rank, vp_stage) -> RankParams(.ops)
     tied = not getattr(cfg, "untie_embeddings_and_output_weights", False)
     pp = cfg.pipeline_model_parallel_size
+    layer_table, pattern, templates = _tables or _param_tables(cfg)
     chunks = []
     for vp in range(vpp):
-        ops = M.rank_params(cfg, pp_rank, vp if vpp > 1 else None).ops
-        # named_parameters order: SelfAttention registers linear_proj before linear_qkv.
-        ops = sorted(enumerate(ops), key=lambda io: (io[1].layer if io[1].layer is not None else (-1 if io[1].op.startswith("embedding") else 1 << 30),
-                                                  0 if "linear_proj" in io[1].op else 1, io[0]))
-        params: List[ParamInfo] = []
-        for _, op in ops:
-            shared = op.shared_embedding or (tied and pp > 1 and op.op == "embedding.word_embeddings")
-            for _ in range(op.count):
-                for shape in op.shapes:
-                    n = 1
-                    for x in shape:
-                        n *= x
-                    params.append(ParamInfo(n, op.is_expert, shared))
+        vp_stage = vp if vpp > 1 else None
+        first, last = M.has_embedding(cfg, pp_rank, vp_stage), M.has_output(cfg, pp_rank, vp_stage)
+        params = _param_infos(M.head_ops(cfg, first), tied, pp)
+        for layer in layer_table[(pp_rank, vp)]:
+            kind = pattern[layer]
+            t = templates.get(kind)
+            if t is None:
+                t = templates[kind] = _param_infos(M.layer_ops(cfg, layer), tied, pp)
+            params += t
+        params += _param_infos(M.tail_ops(cfg, first, last), tied, pp)
         chunks.append(params)
     return chunks
+
+
+def _param_tables(cfg) -> tuple:
+    """(chunk -> layers table, MoE pattern, per-kind parameter templates (filled on use)) for param_chunks."""
+    from . import model as M
+    return M.chunk_layer_table(cfg), cfg.moe_layer_pattern(), {}
+
+
+def all_param_chunks(cfg) -> Dict[int, List[List[ParamInfo]]]:
+    """param_chunks for every pipeline rank, sharing one layer table and one template per layer kind."""
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    tables = _param_tables(cfg)
+    return {r: param_chunks(cfg, r, vpp, tables) for r in range(cfg.pipeline_model_parallel_size)}
 
 
 def schedule_name(cfg) -> str:
@@ -61,8 +91,10 @@ def schedule_name(cfg) -> str:
     return "no pipelining" if pp == 1 else ("interleaved 1F1B" if vpp > 1 else "1F1B")
 
 
-def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timeline: bool = False) -> Estimate:
-    """Every rank class's static bytes, activation bytes and schedule peak for one config."""
+def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timeline: bool = False,
+             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None) -> Estimate:
+    """Every rank class's static bytes, activation bytes and schedule peak for one config.
+    chunks_by_stage: all_param_chunks(cfg), when the caller already has it."""
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
     from . import model as M
     pp = cfg.pipeline_model_parallel_size
@@ -71,28 +103,46 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     group = getattr(cfg, "microbatch_group_size_per_vp_stage", None) or pp
     cache = A.LayerCache(fset, cfg)
     moe = cfg.moe_layer_pattern()
+    layer_table = M.chunk_layer_table(cfg)
+    if chunks_by_stage is None:
+        chunks_by_stage = all_param_chunks(cfg)
+    vp_arg = vpp if vpp > 1 else None
+    memo: dict = {}  # equal chunks (same layer kinds, same place in the model) are evaluated once
     ranks = []
     for r in range(pp):
-        chunks, per_op = [], {}
+        chunks, keys = [], []
         for vp in range(vpp):
-            layers = M.stage_layers(cfg, r, vp if vpp > 1 else None)
+            layers = layer_table[(r, vp)]
             first = r == 0 and vp == 0
             last = r == pp - 1 and vp == vpp - 1
-            units = A.chunk_units(cache, [bool(moe[i]) for i in layers], first, last, recv_input=not first)
-            chunks.append(A.fold_chunk(units))
-            for op, d in A.per_op_bytes(units).items():
-                acc = per_op.setdefault(op, {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0})
-                acc["saved"] += d["saved"]; acc["count"] += d["count"]
-                acc["fwd_peak"] = max(acc["fwd_peak"], d["fwd_peak"]); acc["bwd_peak"] = max(acc["bwd_peak"], d["bwd_peak"])
-        st = static_memory(cfg, param_chunks(cfg, r, vpp), pp_rank=r)
-        steps = S.order(pp, r, M_, vpp if vpp > 1 else None, group)
-        tl = S.simulate(steps, chunks, st.total_bytes, st.optimizer_step_transient_bytes, keep_events=timeline,
-                        warmup=S.warmup_count(pp, r, M_, vpp if vpp > 1 else None, group))
-        # Activation bytes at the peak: the saved microbatches live then; the rest of the peak is transient.
-        if tl.peak_phase == "optimizer step":
-            act = 0.0
+            key = (tuple([bool(moe[i]) for i in layers]), first, last)
+            hit = memo.get(key)
+            if hit is None:
+                units = A.chunk_units(cache, list(key[0]), first, last, recv_input=not first)
+                hit = memo[key] = (A.fold_chunk(units), A.per_op_bytes(units))
+            chunks.append(hit[0])
+            keys.append(key)
+        stage_key = ("per_op", tuple(keys))
+        per_op = memo.get(stage_key)
+        if per_op is None:
+            per_op = {}
+            for key in keys:
+                for op, d in memo[key][1].items():
+                    acc = per_op.setdefault(op, {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0})
+                    acc["saved"] += d["saved"]; acc["count"] += d["count"]
+                    acc["fwd_peak"] = max(acc["fwd_peak"], d["fwd_peak"]); acc["bwd_peak"] = max(acc["bwd_peak"], d["bwd_peak"])
+            memo[stage_key] = per_op
+        per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
+        st = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
+        if timeline:
+            steps = S.order(pp, r, M_, vp_arg, group)
+            tl = S.simulate(steps, chunks, st.total_bytes, st.optimizer_step_transient_bytes, keep_events=True,
+                            warmup=S.warmup_count(pp, r, M_, vp_arg, group))
+            # Activation bytes at the peak: the saved microbatches live then; the rest of the peak is transient.
+            act = 0.0 if tl.peak_phase == "optimizer step" else _saved_at(steps, chunks, tl.peak_index)
         else:
-            act = _saved_at(steps, chunks, tl.peak_index)
+            tl, act = S.rank_timeline(pp, r, M_, chunks, st.total_bytes, st.optimizer_step_transient_bytes,
+                                      vp=vp_arg, group=group)
         cats = {"parameters": st.weights_bytes, "gradients": st.grad_buffer_bytes,
                 "optimizer_states": st.optimizer_bytes, "activations": act,
                 "other": tl.peak - st.total_bytes - act}

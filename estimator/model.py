@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Optional
 
 from estimator.args import TrainingConfig
 
@@ -182,24 +181,52 @@ def rank_params(cfg: TrainingConfig, pp_rank: int = 0, vp_stage: Optional[int] =
         for vp in range(virtual_stages(cfg)):
             merged.ops += rank_params(cfg, pp_rank, vp).ops
         return merged
-    t, h = cfg.tensor_model_parallel_size, cfg.hidden_size
-    vocab_shard = cfg.padded_vocab_size // t
     result = RankParams(pp_rank, vp_stage)
     first, last = has_embedding(cfg, pp_rank, vp_stage), has_output(cfg, pp_rank, vp_stage)
-    if first:
-        result.ops.append(OpParams("embedding.word_embeddings", None, ((vocab_shard, h),)))
-        if cfg.position_embedding_type == "learned_absolute":
-            result.ops.append(OpParams("embedding.position_embeddings", None, ((cfg.max_position_embeddings, h),)))
+    result.ops += head_ops(cfg, first)
     for layer in stage_layers(cfg, pp_rank, vp_stage):
         result.ops += layer_ops(cfg, layer)
-    if last:
-        result.ops.append(OpParams("final_layernorm", None, _norm(cfg, h)))
-        tied = not cfg.untie_embeddings_and_output_weights
-        # Tied: the chunk that also holds the embedding reuses its weight; any other last chunk keeps a copy
-        # that is kept equal by an all-reduce over the embedding group.
-        if not tied or not first:
-            result.ops.append(OpParams("output_layer", None, ((vocab_shard, h),), shared_embedding=tied))
+    result.ops += tail_ops(cfg, first, last)
     return result
+
+
+def head_ops(cfg: TrainingConfig, first: bool) -> list[OpParams]:
+    """Embedding parameters of a chunk (none unless it is the model's first chunk)."""
+    if not first:
+        return []
+    h, vocab_shard = cfg.hidden_size, cfg.padded_vocab_size // cfg.tensor_model_parallel_size
+    ops = [OpParams("embedding.word_embeddings", None, ((vocab_shard, h),))]
+    if cfg.position_embedding_type == "learned_absolute":
+        ops.append(OpParams("embedding.position_embeddings", None, ((cfg.max_position_embeddings, h),)))
+    return ops
+
+
+def tail_ops(cfg: TrainingConfig, first: bool, last: bool) -> list[OpParams]:
+    """Final norm and output layer of a chunk (none unless it is the model's last chunk)."""
+    if not last:
+        return []
+    h, vocab_shard = cfg.hidden_size, cfg.padded_vocab_size // cfg.tensor_model_parallel_size
+    ops = [OpParams("final_layernorm", None, _norm(cfg, h))]
+    tied = not cfg.untie_embeddings_and_output_weights
+    # Tied: the chunk that also holds the embedding reuses its weight; any other last chunk keeps a copy
+    # that is kept equal by an all-reduce over the embedding group.
+    if not tied or not first:
+        ops.append(OpParams("output_layer", None, ((vocab_shard, h),), shared_embedding=tied))
+    return ops
+
+
+def chunk_layer_table(cfg: TrainingConfig) -> dict:
+    """{(pp_rank, vp_stage): stage_layers(cfg, pp_rank, vp_stage)} for every chunk, in one walk (vp_stage 0..vpp-1)."""
+    pp, vpp = cfg.pipeline_model_parallel_size, virtual_stages(cfg)
+    if pp == 1:
+        return {(0, vp): list(range(cfg.num_layers)) for vp in range(vpp)}
+    table, start = {}, 0
+    for vp in range(vpp):
+        for rank in range(pp):
+            per_chunk = _layers_per_chunk(cfg, rank, vp)
+            table[(rank, vp)] = list(range(start, start + per_chunk))
+            start += per_chunk
+    return table
 
 
 def all_rank_params(cfg: TrainingConfig) -> list[RankParams]:

@@ -33,21 +33,32 @@ def _decompose(index, shape):
     return [(index // d) % s for s, d in zip(shape, stride)]
 
 
+def _digit_offsets(shape, stride) -> list[int]:
+    """sum(digit_i * stride_i) for every index 0..prod(shape)-1 in mixed-radix order (first digit fastest)."""
+    out = [0]
+    for s, d in zip(shape, stride):
+        if s > 1:
+            out = [o + k for k in range(0, s * d, d) for o in out]
+    return out
+
+
 def masked_orthogonal_groups(world_size: int, sizes: list[int], mask: list[bool]) -> list[list[int]]:
-    """Same algorithm as megatron's `generate_masked_orthogonal_rank_groups` (masked digits vary inside a group)."""
+    """Same result as megatron's `generate_masked_orthogonal_rank_groups` (masked digits vary inside a group),
+    by stride arithmetic instead of decomposing every rank."""
     masked_shape = [s for s, m in zip(sizes, mask) if m]
     unmasked_shape = [s for s, m in zip(sizes, mask) if not m]
     stride = _prefix_product(sizes)
     masked_stride = [d for d, m in zip(stride, mask) if m]
     unmasked_stride = [d for d, m in zip(stride, mask) if not m]
     group_size = _prefix_product(masked_shape)[-1]
-    groups = []
-    for gi in range(world_size // group_size):
-        g_idx = _decompose(gi, unmasked_shape)
-        base = sum(x * y for x, y in zip(g_idx, unmasked_stride))
-        groups.append([base + sum(x * y for x, y in zip(_decompose(r, masked_shape), masked_stride))
-                       for r in range(group_size)])
-    return groups
+    inner = _digit_offsets(masked_shape, masked_stride)  # len == group_size
+    bases = _digit_offsets(unmasked_shape, unmasked_stride)
+    n_groups = world_size // group_size
+    if n_groups != len(bases):  # decompose() wraps the group index modulo prod(unmasked_shape)
+        bases = [bases[gi % len(bases)] for gi in range(n_groups)]
+    if group_size == 1:
+        return [[b] for b in bases]
+    return [[b + o for o in inner] for b in bases]
 
 
 class RankGrid:
@@ -125,7 +136,19 @@ class ParallelLayout:
     order: str
     nproc_per_node: int
     groups: dict[str, list[list[int]]] = field(default_factory=dict)
-    ranks: list[RankCoords] = field(default_factory=list)
+    # Per-rank coordinates are built on first use (`ranks`): a full estimate does not need them.
+    _ranks: Optional[list] = field(default=None, repr=False)
+    _grids: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    @property
+    def ranks(self) -> list[RankCoords]:
+        if self._ranks is None:
+            self._ranks = _rank_coords(self.world_size, self.nproc_per_node, *self._grids)
+        return self._ranks
+
+    def stage_ranks(self, pp_rank: int) -> list[int]:
+        """Global ranks of pipeline stage `pp_rank`, ascending (== [r.rank for r in ranks if r.pp == pp_rank])."""
+        return sorted(g[pp_rank] for g in self.groups["pp"])
 
     def group_of(self, name: str, rank: int) -> list[int]:
         """The group of kind `name` that contains `rank` (embedding groups: [] when the rank is in none)."""
@@ -178,15 +201,19 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     groups["world"] = [list(range(world_size))]
 
     nproc = nproc_per_node or world_size
+    return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, edp=edp,
+                          order=dense.order if order == DEFAULT_ORDER else order, nproc_per_node=nproc,
+                          groups=groups, _grids=(dense, expert))
+
+
+def _rank_coords(world_size: int, nproc: int, dense: RankGrid, expert: RankGrid) -> list[RankCoords]:
     ranks = []
     for r in range(world_size):
         d, e = dense.coords(r), expert.coords(r)
         ranks.append(RankCoords(rank=r, name=gpu_name(r, nproc), node=r // nproc, gpu=r % nproc,
                                 tp=d["tp"], cp=d["cp"], dp=d["dp"], pp=d["pp"],
                                 ep=e["ep"], etp=e["tp"], edp=e["dp"]))
-    return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, edp=edp,
-                          order=dense.order if order == DEFAULT_ORDER else order, nproc_per_node=nproc,
-                          groups=groups, ranks=ranks)
+    return ranks
 
 
 def layout_from_config(cfg) -> ParallelLayout:

@@ -221,6 +221,23 @@ def _text_groups(report) -> list[str]:
     return lines or ["  (every group has one member)"]
 
 
+def _fallback_lines(fset) -> list[str]:
+    if not fset.fallbacks:
+        return []
+    by_op: dict = {}
+    for op, q in sorted(fset.fallbacks):
+        by_op.setdefault(op, []).append(q)
+    whole = [op for op, qs in by_op.items() if len(qs) == 3]
+    part = [f"{op} ({', '.join(qs)})" for op, qs in by_op.items() if len(qs) < 3]
+    lines = []
+    if whole:
+        lines.append(f"  {len(whole)} ops have no fitted formula for this config's switches and use the modelled "
+                     f"set: {', '.join(whole)}")
+    if part:
+        lines.append(f"  quantities the fit could not determine, taken from the modelled set: {', '.join(part)}")
+    return lines
+
+
 def to_text(report) -> str:
     cfg, est = report.cfg, report.estimate
     modelled = report.formula_set.kind == "modelled"
@@ -228,6 +245,7 @@ def to_text(report) -> str:
            f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
            + (" -- activations are MODELLED from published analysis, not measured" if modelled else
               " -- fitted from measured traces"),
+           *_fallback_lines(report.formula_set),
            ""]
     out += _describe(cfg)
     out += ["", f"Model tree, pipeline stage {est.max_peak_pp_rank} (one TP/EP rank; activation bytes per "
@@ -283,7 +301,8 @@ def to_json(report) -> dict:
     return {
         "format": JSON_FORMAT, "version": JSON_VERSION,
         "formula_set": {"name": report.formula_set.name, "kind": report.formula_set.kind,
-                        "path": report.formula_set.path},
+                        "path": report.formula_set.path,
+                        "fallbacks": [{"op": op, "quantity": q} for op, q in sorted(report.formula_set.fallbacks)]},
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
         "schedule": est.schedule,

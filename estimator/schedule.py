@@ -8,9 +8,10 @@ get_schedule_table order; backward visits model chunks in reverse).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from itertools import accumulate
+from operator import add
 
-Step = Tuple[str, int, int]  # ("F" | "B", microbatch, model chunk)
+Step = tuple  # Tuple[str, int, int]: ("F" | "B", microbatch, model chunk)
 
 
 def schedule_table(M: int, vp: int, group: int) -> List[Tuple[int, int]]:
@@ -118,3 +119,135 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
     if keep_events:
         events.append(Event(len(steps), "optimizer", -1, -1, level, top, level))
     return RankTimeline(peak, where, at, best, events)
+
+
+# --- the same timeline without walking every microbatch ---------------------------------------------------------
+#
+# All microbatches are identical, so the steady state repeats. Write P for the period of the forward chunk sequence
+# (group x vp virtual microbatches; 1 without interleaving) and J for the end of its periodic part (the last,
+# partial microbatch group breaks the pattern). Steady pair k runs fwd[w + k] then bwd[k]; the saved bytes live
+# before it are those of fwd[0 : w + k] minus those of bwd[0 : k]. For P <= k and w + k < J, the windows
+# fwd[w + k - P : w + k] and bwd[k - P : k] each hold every chunk `group` times, so pair k starts from the same live
+# set as pair k - P and runs the same chunks: the same levels, the same tops, the same in-flight count. None of them
+# can beat an earlier top (a new peak must be strictly higher), so whole periods past the first are skipped and the
+# level after them is the level before them. This holds exactly only while every sum is exact in floating point, so
+# the short walk is taken only when all byte counts are integers and every partial sum stays below 2**53;
+# otherwise the full schedule is simulated. tests/test_estimator_speed_equivalence.py checks both against each other.
+
+_EXACT = float(1 << 53)
+
+
+def _exact(values, total: int) -> bool:
+    try:
+        if not all(float(v).is_integer() for v in values):
+            return False
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return sum(abs(float(v)) for v in values) * (total + 2) < _EXACT
+
+
+def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optimizer_transient: float = 0.0,
+                  vp: Optional[int] = None, group: Optional[int] = None) -> Tuple[RankTimeline, float]:
+    """(simulate(order(pp, rank, M, vp, group), chunks, ..., warmup=warmup_count(...)), saved activation bytes
+    live at the peak step (0.0 at the optimizer step or at the start)), without building the step list when the
+    arithmetic is exact. Same numbers, phase text and indices as the full simulation."""
+    vp = vp if vp and vp > 1 else None
+    total = M * (vp or 1)
+    used = chunks[: vp or 1]
+    vals = [static_bytes, optimizer_transient] + [x for ch in used for x in (ch.saved, ch.fwd_extra, ch.bwd_extra)]
+    if not _exact(vals, total):
+        steps = order(pp, rank, M, vp, group)
+        tl = simulate(steps, chunks, static_bytes, optimizer_transient, warmup=warmup_count(pp, rank, M, vp, group))
+        if tl.peak_phase == "optimizer step":
+            return tl, 0.0
+        level = 0.0
+        for i, (kind, _, c) in enumerate(steps[: tl.peak_index + 1]):
+            if kind == "F":
+                level += chunks[c].saved
+            elif i < tl.peak_index:
+                level -= chunks[c].saved
+        return tl, level
+
+    w = warmup_count(pp, rank, M, vp, group)  # order()'s warmup forwards (== the `warmup` simulate() is given)
+    saved = [ch.saved for ch in used]
+    neg = [-x for x in saved]
+    fx = [ch.fwd_extra for ch in used]
+    bx = [ch.bwd_extra for ch in used]
+    vlast = (vp or 1) - 1
+    # Chunk of forward j (cf[j]) and of backward j (cb[j] = vlast - cf[j]), from the schedule table.
+    if vp:
+        g = group or pp
+        P = g * vp
+        n_full = M // g
+        J = n_full * P
+        r_last = M - n_full * g
+        pat = [c for c in range(vp) for _ in range(g)]
+        cf = pat * n_full + [c for c in range(vp) for _ in range(r_last)]
+        cb = [vlast - c for c in pat] * n_full + [vlast - c for c in range(vp) for _ in range(r_last)]
+    else:
+        P, J = 1, M
+        cf = cb = [0] * M
+    S_ = total - w  # steady 1F1B pairs
+    skip_from = skip_to = S_
+    lim = min(S_, J - w)
+    if lim - P >= P:
+        skip_from = P
+        skip_to = P + ((lim - P) // P) * P
+    # The kept steps in order: warmup forwards, steady pairs [0, skip_from) and [skip_to, S_), cooldown backwards.
+    pf = cf[w: w + skip_from] + cf[w + skip_to: w + S_]
+    pb = cb[:skip_from] + cb[skip_to:S_]
+    n2 = 2 * len(pf)
+    head = cf[:w]
+    tail = cb[S_:]
+    d_pairs = [0] * n2
+    d_pairs[0::2] = map(saved.__getitem__, pf)
+    d_pairs[1::2] = map(neg.__getitem__, pb)
+    x_pairs = [0] * n2
+    x_pairs[0::2] = map(fx.__getitem__, pf)
+    x_pairs[1::2] = map(bx.__getitem__, pb)
+    deltas = [*map(saved.__getitem__, head), *d_pairs, *map(neg.__getitem__, tail)]
+    extras = [*map(fx.__getitem__, head), *x_pairs, *map(bx.__getitem__, tail)]
+    level0 = float(static_bytes)
+    levels = list(accumulate(deltas, initial=level0))
+    tops = list(map(add, levels, extras))  # levels[i]: the level before kept step i
+    peak, where, at, act = level0, "start", -1, 0.0
+    if tops:
+        top = max(tops)
+        if top > peak:
+            i = tops.index(top)
+            peak, before = top, levels[i]
+            n_pairs_1 = 2 * skip_from  # kept steps of the first steady part
+            if i < w:  # warmup forward j = i
+                kind, j, at, others, stage = "F", i, i, i, "warmup"
+            elif i < w + n2:
+                k2 = i - w
+                k = k2 // 2 if k2 < n_pairs_1 else skip_to + (k2 - n_pairs_1) // 2
+                at = w + 2 * k + (k2 & 1)
+                if not k2 & 1:
+                    kind, j, others, stage = "F", w + k, w, "steady"
+                else:
+                    kind, j, others = "B", k, w
+                    stage = "cooldown" if (k == S_ - 1 and w) else "steady"
+            else:
+                q = i - w - n2
+                kind, j, at, others, stage = "B", S_ + q, w + 2 * S_ + q, w - q - 1, "cooldown" if w else "steady"
+            if vp:
+                blk = j // P
+                if blk < n_full:
+                    mb = blk * g + (j - blk * P) % g
+                else:
+                    mb = n_full * g + (j - J) % r_last
+            else:
+                mb = j
+            if kind == "F":
+                c = cf[j]
+                act = (before - level0) + saved[c]
+                where = f"forward mb={mb} chunk={c} ({stage}, {others} others in flight)"
+            else:
+                c = cb[j]
+                act = before - level0
+                where = f"backward mb={mb} chunk={c} ({stage}, {others} others in flight)"
+    top = levels[-1] + optimizer_transient
+    if top > peak:
+        peak, at, where, act = top, 2 * total, "optimizer step", 0.0
+    return RankTimeline(peak, where, at, w + (1 if S_ > 0 else 0)), act

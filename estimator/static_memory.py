@@ -8,17 +8,20 @@ themselves move into a (padded) param buffer that the all-gather writes into.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
+from operator import add, itemgetter, le
 from dataclasses import dataclass, field
-from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-class ParamInfo(NamedTuple):
-    """One parameter as DDP sees it (named_parameters order)."""
-    numel: int
-    expert: bool = False            # allreduce=False in megatron-core: goes to the expert-DP buffer
-    shared_embedding: bool = False  # tied embedding/output weight with PP > 1: own bucket under dist-opt
+# One parameter as DDP sees it (named_parameters order): numel; expert (allreduce=False in megatron-core: goes to
+# the expert-DP buffer); shared_embedding (tied embedding/output weight with PP > 1: own bucket under dist-opt).
+# collections.namedtuple, which typing.NamedTuple builds on, without importing typing at start-up.
+ParamInfo = namedtuple("ParamInfo", ["numel", "expert", "shared_embedding"], defaults=(False, False))
+ParamInfo.__doc__ = "One parameter as DDP sees it (named_parameters order)."
 
 
 @dataclass
@@ -37,6 +40,18 @@ def buffer_layout(numels: Sequence[int], shared: Sequence[bool], dp: int, dist_o
                   bucket_size: Optional[int], pad_for_high_busbw: bool = False) -> BufferLayout:
     """The same index arithmetic as _ParamAndGradBuffer.__init__ (params walked in reverse)."""
     divisor = math.lcm(dp, 128, 2 ** 16 if pad_for_high_busbw else 1)
+    if numels and bucket_size is None and not (dist_opt and any(shared)):
+        # One bucket and nothing that closes it early: starts are running sums (of 64-padded sizes under the
+        # distributed optimizer, every start being a multiple of 64 already), walked in reverse.
+        rev = numels[::-1]
+        sizes = [-(-n // 64) * 64 for n in rev] if dist_opt else rev  # _pad(n, 64)
+        starts = [0, *accumulate(sizes)]
+        starts.pop()
+        ranges = list(zip(starts, map(add, starts, rev)))
+        ranges.reverse()
+        end = starts[-1] + rev[-1]
+        return BufferLayout(_pad(end, divisor) if dist_opt else end, end, [(0, _pad(end, divisor) if dist_opt else end)],
+                            ranges)
     pad_end = (lambda i: _pad(i, divisor)) if dist_opt else (lambda i: i)
     ranges: List[Tuple[int, int]] = [(0, 0)] * len(numels)
     buckets: List[Tuple[int, int]] = []
@@ -74,6 +89,23 @@ def buffer_layout(numels: Sequence[int], shared: Sequence[bool], dp: int, dist_o
 
 def shard_param_elements(layout: BufferLayout, dp: int, dp_rank: int) -> int:
     """Real parameter elements in DP rank `dp_rank`'s shard (what the distributed optimizer keeps states for)."""
+    if len(layout.buckets) == 1 and layout.param_ranges:
+        # One bucket: every param lies in it; ranges are disjoint and ascending in reverse param order.
+        (b0, b1), = layout.buckets
+        size = (b1 - b0) // dp
+        lo, hi = b0 + dp_rank * size, b0 + (dp_rank + 1) * size
+        asc = layout.param_ranges[::-1]
+        starts = list(map(itemgetter(0), asc))
+        ends = list(map(itemgetter(1), asc))
+        if starts[0] >= b0 and ends[-1] <= b1 and all(map(le, starts, ends)) and \
+                all(map(le, ends[:-1], starts[1:])):
+            first = bisect_right(ends, lo)       # first range with p1 > lo
+            last = bisect_left(starts, hi) - 1   # last range with p0 < hi
+            if first > last:
+                return 0
+            n = sum(ends[first:last + 1]) - sum(starts[first:last + 1])
+            n -= max(0, lo - starts[first]) + max(0, ends[last] - hi)
+            return n
     n = 0
     for (b0, b1) in layout.buckets:
         size = (b1 - b0) // dp
@@ -129,9 +161,10 @@ def optimizer_bytes_per_param(cfg: Any) -> Tuple[int, int]:
 
 
 def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int = 0,
-                  dp_rank: Optional[int] = None) -> StaticMemory:
+                  dp_rank: Optional[int] = None, _memo: Optional[dict] = None) -> StaticMemory:
     """Static bytes of one rank. `chunks`: the rank's model chunks (one per virtual stage), each the parameters in
-    named_parameters order. dp_rank None = the DP rank whose shard holds the most real elements."""
+    named_parameters order. dp_rank None = the DP rank whose shard holds the most real elements.
+    _memo: a dict kept by the caller for one config; chunks with equal parameter lists are then laid out once."""
     pd, gd = precision(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
@@ -146,27 +179,56 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     params = expert = weights = grads = gnumel = padding = state_elems = 0
     largest = 0
     for ci, chunk in enumerate(chunks):
-        chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
         # Megatron-LM disables bucketing on stages > 0 and on virtual chunks > 0.
         bsize = bucket if (pp_rank == 0 and ci == 0) else None
+        key = None
+        if _memo is not None:
+            chunk = chunk if isinstance(chunk, tuple) else tuple(chunk)
+            key = ("static", chunk, bsize, dp_dense, dp_expert, dist_opt, dp_rank)
+            hit = _memo.get(key)
+            if hit is not None:
+                for is_exp, n, big, numel, unpadded, shard in hit:
+                    params += n
+                    expert += n if is_exp else 0
+                    largest = max(largest, big)
+                    gnumel += numel
+                    padding += numel - unpadded
+                    grads += numel * gb
+                    weights += (numel if dist_opt else n) * pb
+                    state_elems += shard
+                continue
+        parts = []
+        if set(map(type, chunk)) != {ParamInfo}:
+            chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
+        flags = list(map(itemgetter(1), chunk))
+        all_dense = flags.count(False) == len(flags)  # every p.expert == False
         for is_exp, dp in ((False, dp_dense), (True, dp_expert)):
-            group = [p for p in chunk if p.expert == is_exp]
+            if all_dense:
+                group = chunk if not is_exp else []
+            else:
+                group = [p for p in chunk if p.expert == is_exp]
             if not group:
                 continue
-            n = sum(p.numel for p in group)
+            numels = list(map(itemgetter(0), group))
+            n = sum(numels)
             params += n
             expert += n if is_exp else 0
-            largest = max(largest, max(p.numel for p in group))
-            lay = buffer_layout([p.numel for p in group], [p.shared_embedding for p in group], dp, dist_opt, bsize)
+            big = max(numels)
+            largest = max(largest, big)
+            lay = buffer_layout(numels, list(map(itemgetter(2), group)), dp, dist_opt, bsize)
             gnumel += lay.numel
             padding += lay.numel - lay.numel_unpadded
             grads += lay.numel * gb
             weights += (lay.numel if dist_opt else n) * pb
             if dist_opt:
                 ranks = ([0, dp - 1] if dp > 1 else [0]) if dp_rank is None else [dp_rank % dp]  # the last shard holds the padding
-                state_elems += max(shard_param_elements(lay, dp, r) for r in ranks)
+                shard = max(shard_param_elements(lay, dp, r) for r in ranks)
             else:
-                state_elems += n
+                shard = n
+            state_elems += shard
+            parts.append((is_exp, n, big, lay.numel, lay.numel_unpadded, shard))
+        if key is not None:
+            _memo[key] = parts
     master = 4 * state_elems if pd != "fp32" else 0
     grad_copy = 4 * state_elems if gd != "fp32" else 0
     states = opt_states * state_elems

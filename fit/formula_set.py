@@ -57,7 +57,10 @@ def _fit_record(f: OpFormula, metric: str) -> dict:
 
 def build(name: str, runs: list[RunInfo], formulas: list[OpFormula], description: str = "",
           base_dir: str | None = None) -> dict:
+    # Trace dirs are recorded relative to the output file when near it, else as <campaign dir>/<config>.
     base = base_dir or os.getcwd()
+    if runs and any(os.path.relpath(r.path, base).startswith("..") for r in runs):
+        base = os.path.dirname(os.path.commonpath([os.path.abspath(os.path.dirname(r.path)) for r in runs]))
     kept = [f for f in formulas if f.ok]
     versions = sorted({json.dumps(r.versions, sort_keys=True) for r in runs})
     prov = {

@@ -125,19 +125,27 @@ class _OpFitter:
             if cov > best[0]:
                 best = (cov, keys)
         keys = best[1]  # most configs covered, fewest switches: an unhelpful split only fragments refusals
-        return [f for p in self.split(keys) for f in self.refine_peaks(p, varying)]
+        out = []
+        for p in self.split(keys):
+            leaves = self.refine_peaks(p, varying)
+            # When peaks were split, keep the unsplit formula too: it still carries the saved bytes for switch
+            # combinations no leaf covers (the estimator prefers the more specific leaves where they match).
+            out.extend(([self.formula(p)] if len(leaves) > 1 else []) + leaves)
+        return out
 
     def peaks_covered(self, parts: list[list[Sample]]) -> int:
         return sum(len(p) for p in parts
                    if all(not isinstance(self.fit_metric(p, m), str) for m in METRICS if m != "saved"))
 
-    def refine_peaks(self, part: list[Sample], varying: list) -> list[OpFormula]:
-        """Transient peaks may depend on a switch that saved bytes do not (CPU bf16 matmuls use fp32 scratch,
-        sequence parallelism gathers): split the part once more, by the switch that determines peaks for the most
-        configs, sharing the part's saved-bytes fit."""
+    def refine_peaks(self, part: list[Sample], varying: list, saved_from: list[Sample] | None = None,
+                     depth: int = 3) -> list[OpFormula]:
+        """Transient peaks may depend on switches that saved bytes do not (CPU bf16 matmuls use fp32 scratch,
+        sequence parallelism gathers): split the part by the switch that determines peaks for the most configs,
+        recursively (up to `depth` switches), every piece sharing the part's saved-bytes fit."""
+        saved_from = saved_from or part
         base = self.peaks_covered([part])
-        if base == len(part) or not isinstance(self.fit_metric(part, "saved"), Fit):
-            return [self.formula(part)]
+        if base == len(part) or depth == 0 or not isinstance(self.fit_metric(saved_from, "saved"), Fit):
+            return [self.formula(part, saved_from=saved_from)]
         const = constant_switches(part)
         best = (base, None)
         for k in varying:
@@ -148,8 +156,12 @@ class _OpFitter:
             if cov > best[0]:
                 best = (cov, sub)
         if best[1] is None:
-            return [self.formula(part)]
-        return [self.formula(p, saved_from=part) for p in best[1]]
+            # No single switch helps; a pair might (e.g. dtype and sp): try the first still-varying switch.
+            k = next((k for k in varying if k not in const), None)
+            if k is None:
+                return [self.formula(part, saved_from=saved_from)]
+            best = (base, self._split(part, (k,)))
+        return [f for p in best[1] for f in self.refine_peaks(p, varying, saved_from, depth - 1)]
 
     def _split(self, samples: list[Sample], keys: tuple) -> list[list[Sample]]:
         parts: dict = {}

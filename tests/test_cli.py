@@ -108,3 +108,9 @@ def test_presets_all_run():
         # The preset is a pure model description: nothing in it is ignored, and its parameters are all placed.
         assert doc["ignored_args"] == [], (name, doc["ignored_args"])
         assert doc["max_peak_bytes"] > 0
+
+
+def test_help_lists_presets_and_formula_sets():
+    res = run_cli(["--help"])
+    assert res.returncode == 0 and res.stderr == ""
+    assert "llama2_7b" in res.stdout and "modelled" in res.stdout and "--formulas" in res.stdout

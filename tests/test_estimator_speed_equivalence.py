@@ -1,0 +1,197 @@
+"""The estimator's fast paths give exactly what the straightforward computations give.
+
+- schedule.rank_timeline (periodic steady state skipped) == schedule.simulate over the full order() + the saved
+  bytes live at the peak, over a grid of (pp, vp, M, group, stage) and several chunk byte patterns.
+- parallel.masked_orthogonal_groups (stride arithmetic) == megatron's rank-by-rank decomposition.
+"""
+import itertools
+import random
+import types
+
+import pytest
+
+from estimator import parallel as P
+from estimator import schedule as S
+
+
+def _full(pp, rank, M, vp, group, chunks, static, opt):
+    steps = S.order(pp, rank, M, vp, group)
+    tl = S.simulate(steps, chunks, static, opt, warmup=S.warmup_count(pp, rank, M, vp if vp and vp > 1 else None,
+                                                                       group))
+    act = 0.0
+    if tl.peak_phase != "optimizer step":
+        for i, (kind, _, c) in enumerate(steps[: tl.peak_index + 1]):
+            if kind == "F":
+                act += chunks[c].saved
+            elif i < tl.peak_index:
+                act -= chunks[c].saved
+    return tl, act
+
+
+def _chunk_sets(vp, rng):
+    n = vp or 1
+    mk = lambda s, f, b: types.SimpleNamespace(saved=s, fwd_extra=f, bwd_extra=b)  # noqa: E731
+    yield [mk(10.0, 12.0, 3.0)] * n                                   # identical chunks
+    yield [mk(float(100 + 7 * c), float(3 + c), float(50 - 9 * c)) for c in range(n)]
+    yield [mk(float(rng.randint(0, 40)), float(rng.randint(0, 60)), float(rng.randint(0, 60))) for _ in range(n)]
+    yield [mk(float(rng.randint(-5, 40)), float(rng.randint(-3, 60)), float(rng.randint(-10, 80))) for _ in range(n)]
+    yield [mk(0.0, 0.0, 0.0)] * n                                      # ties everywhere: first occurrence wins
+    yield [mk(8 + c, 2 * c, 5) for c in range(n)]                       # ints, as some callers pass
+    yield [mk(0.1 * (c + 1), 0.3, 0.7) for c in range(n)]              # inexact: the full walk is taken
+
+
+GRID = [(pp, vp, M, group)
+        for pp in (1, 2, 3, 4, 8)
+        for vp in (None, 2, 3, 5)
+        for M in (1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 33, 64)
+        for group in ((None,) if not vp else (None, 1, 2, 3, pp + 1))]
+
+
+@pytest.mark.parametrize("pp,vp,M,group", GRID)
+def test_rank_timeline_equals_full_simulation(pp, vp, M, group):
+    rng = random.Random(f"{pp}-{vp}-{M}-{group}")
+    for chunks in _chunk_sets(vp, rng):
+        for rank in range(pp):
+            for static, opt in ((1000.0, 0.0), (0, 10_000.0), (5.0, 3.0)):
+                want_tl, want_act = _full(pp, rank, M, vp, group, chunks, static, opt)
+                got_tl, got_act = S.rank_timeline(pp, rank, M, chunks, static, opt, vp=vp, group=group)
+                key = (pp, vp, M, group, rank, static, opt, [c.__dict__ for c in chunks])
+                assert got_tl.peak == want_tl.peak and type(got_tl.peak) is type(want_tl.peak), key
+                assert got_tl.peak_phase == want_tl.peak_phase, key
+                assert got_tl.peak_index == want_tl.peak_index, key
+                assert got_tl.in_flight_max == want_tl.in_flight_max, key
+                assert repr(got_act) == repr(want_act), key
+
+
+def _reference_groups(world_size, sizes, mask):
+    def decompose(index, shape):
+        stride = P._prefix_product(shape)
+        return [(index // d) % s for s, d in zip(shape, stride)]
+    masked = [s for s, m in zip(sizes, mask) if m]
+    unmasked = [s for s, m in zip(sizes, mask) if not m]
+    stride = P._prefix_product(sizes)
+    ms = [d for d, m in zip(stride, mask) if m]
+    us = [d for d, m in zip(stride, mask) if not m]
+    size = P._prefix_product(masked)[-1]
+    out = []
+    for gi in range(world_size // size):
+        base = sum(x * y for x, y in zip(decompose(gi, unmasked), us))
+        out.append([base + sum(x * y for x, y in zip(decompose(r, masked), ms)) for r in range(size)])
+    return out
+
+
+def test_masked_orthogonal_groups_equal_rank_by_rank_decomposition():
+    for sizes in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2), (1, 3, 4), (1, 2, 5)):
+        world = 1
+        for x in sizes:
+            world *= x
+        for mask in itertools.product((False, True), repeat=5):
+            assert P.masked_orthogonal_groups(world, list(sizes), list(mask)) == \
+                _reference_groups(world, list(sizes), list(mask)), (sizes, mask)
+
+
+def test_stage_ranks_equal_rank_coordinates():
+    for world, tp, pp, cp, ep, order in [(16, 2, 2, 2, 1, P.DEFAULT_ORDER), (24, 2, 3, 1, 1, P.TP_PP_DP_ORDER),
+                                         (32, 1, 4, 1, 4, P.DEFAULT_ORDER), (8, 1, 8, 1, 1, P.DEFAULT_ORDER)]:
+        lay = P.build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
+        for p in range(pp):
+            assert lay.stage_ranks(p) == [r.rank for r in lay.ranks if r.pp == p]
+
+
+# --- static memory: the one-bucket fast paths against the general walk ------------------------------------------
+
+def _reference_buffer_layout(numels, shared, dp, dist_opt, bucket_size):
+    import math
+    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+    divisor = math.lcm(dp, 128)
+    ranges, buckets = [(0, 0)] * len(numels), []
+    state = {"bucket_start": 0, "n": 0, "unpadded": 0}
+
+    def close(end_index):
+        state["unpadded"] += end_index - state["bucket_start"]
+        padded = pad(end_index, divisor) if dist_opt else end_index
+        buckets.append((state["bucket_start"], padded))
+        state["bucket_start"], state["n"] = padded, 0
+        return padded
+
+    start = end = 0
+    for i in range(len(numels) - 1, -1, -1):
+        if dist_opt:
+            start = pad(start, 64)
+        own = dist_opt and shared[i]
+        if own and state["n"]:
+            start = close(start)
+        end = start + numels[i]
+        ranges[i] = (start, end)
+        state["n"] += 1
+        if (bucket_size is not None and end - state["bucket_start"] >= bucket_size) or own:
+            start = close(end)
+        else:
+            start = end
+    if state["n"]:
+        close(end)
+    return (buckets[-1][1] if buckets else 0), state["unpadded"], buckets, ranges
+
+
+def _reference_shard(buckets, ranges, dp, dp_rank):
+    n = 0
+    for (b0, b1) in buckets:
+        size = (b1 - b0) // dp
+        lo, hi = b0 + dp_rank * size, b0 + (dp_rank + 1) * size
+        for (p0, p1) in ranges:
+            if p1 > lo and p0 < hi and p0 >= b0 and p1 <= b1:
+                n += min(p1, hi) - max(p0, lo)
+    return n
+
+
+def test_buffer_layout_and_shards_equal_the_general_walk():
+    from estimator.static_memory import buffer_layout, shard_param_elements
+    rng = random.Random(7)
+    for _ in range(5000):
+        k = rng.randint(0, 12)
+        numels = [rng.choice([0, 1, 3, 64, 100, 129, 4096, rng.randint(0, 5000)]) for _ in range(k)]
+        shared = [rng.random() < 0.1 for _ in range(k)]
+        dp = rng.choice([1, 2, 3, 4, 6, 8])
+        dist_opt = rng.random() < 0.6
+        bucket = rng.choice([None, None, None, 100, 5000])
+        got = buffer_layout(numels, shared, dp, dist_opt, bucket)
+        want = _reference_buffer_layout(numels, shared, dp, dist_opt, bucket)
+        assert (got.numel, got.numel_unpadded, got.buckets, got.param_ranges) == want
+        for r in range(dp):
+            assert shard_param_elements(got, dp, r) == _reference_shard(want[2], want[3], dp, r)
+
+
+# --- parameter lists: per-kind templates against the per-layer op lists -----------------------------------------
+
+@pytest.mark.parametrize("flags", [
+    "--pipeline-model-parallel-size 4 --tensor-model-parallel-size 2",
+    "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2",
+    "--pipeline-model-parallel-size 2 --untie-embeddings-and-output-weights --swiglu --normalization RMSNorm",
+    "--pipeline-model-parallel-size 1 --qk-layernorm",
+    "--pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3",
+    "--pipeline-model-parallel-size 2 --num-experts 8 --expert-model-parallel-size 2 --moe-layer-freq 2",
+    "--pipeline-model-parallel-size 2 --num-experts 4 --moe-shared-expert-intermediate-size 128 "
+    "--moe-layer-freq [1,0,1,1,0,0,1,0]",
+])
+def test_param_chunks_equal_rank_params(flags):
+    import shlex
+
+    from estimator import memory as MEM
+    from estimator import model as MODEL
+    from estimator.args import parse_args
+    argv = shlex.split("--nproc_per_node 8 --num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 64 "
+                       "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 8 --vocab-size 1000 "
+                       + flags)
+    cfg = parse_args(argv)
+    vpp = MODEL.virtual_stages(cfg)
+    tied = not cfg.untie_embeddings_and_output_weights
+    pp = cfg.pipeline_model_parallel_size
+    fast = MEM.all_param_chunks(cfg)
+    for r in range(pp):
+        want = [MEM._param_infos(MODEL.rank_params(cfg, r, vp if vpp > 1 else None).ops, tied, pp)
+                for vp in range(vpp)]
+        assert fast[r] == want
+        assert MEM.param_chunks(cfg, r, vpp) == want
+        table = MODEL.chunk_layer_table(cfg)
+        for vp in range(vpp):
+            assert table[(r, vp)] == MODEL.stage_layers(cfg, r, vp if vpp > 1 else None)
