@@ -20,7 +20,13 @@ SET_DIRS = (SHIPPED_DIR, FITTED_DIR)
 DEFAULT_SET = "modelled"
 
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
-             "t", "st", "cp", "ep", "etp", "e")
+             "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L")
+# Per-stage variables (FORMATS 4): parameters the rank's optimizer holds after DP sharding, its largest parameter
+# tensor, the largest 2*p_i + p_(i-1) over consecutive parameters of one optimizer parameter group (a
+# one-tensor-at-a-time Adam step's temporaries: two of the current parameter's size while the previous one's
+# result is still referenced), and its decoder layers. They come from the estimator's own parameter model (memory.param_chunks and
+# static_memory), are computed only when a formula asks for them, and belong to one pipeline stage.
+STAGE_VARIABLES = ("P", "Pmax", "Pstep", "L")
 # Allowed values per switch; `gqa` is an extension (a > g changes what unfused attention saves).
 SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "attention": ("unfused", "flash"),
@@ -33,6 +39,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "moe": (True, False),
     "dropout": (True, False),
     "gqa": (True, False),
+    "tp": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -274,15 +281,86 @@ def dtype_of(cfg: Any) -> str:
     return "bf16" if _get(cfg, "bf16", False) else "fp16" if _get(cfg, "fp16", False) else "fp32"
 
 
-def variables(cfg: Any) -> Dict[str, float]:
-    """The per-rank variables of FORMATS 4 (plain numbers) for one config."""
+class _Variables(dict):
+    """The variables of one config; the per-stage ones (STAGE_VARIABLES) are computed on first access."""
+
+    def __init__(self, values: Dict[str, float], cfg: Any, pp_rank: int):
+        super().__init__(values)
+        self._cfg, self._pp_rank = cfg, pp_rank
+
+    def __missing__(self, key: str) -> float:
+        if key not in STAGE_VARIABLES:
+            raise KeyError(key)
+        self.update(stage_variables(self._cfg, self._pp_rank))
+        return self[key]
+
+    def complete(self) -> Dict[str, float]:
+        """A plain dict with every variable, the per-stage ones included."""
+        for k in STAGE_VARIABLES:
+            self[k]
+        return dict(self)
+
+
+def stage_variables(cfg: Any, pp_rank: int = 0) -> Dict[str, int]:
+    """P, Pmax and L of pipeline stage `pp_rank` (all its virtual chunks), from the estimator's parameter model:
+    P = parameter elements the rank's optimizer holds (static_memory's state elements: the DP shard under the
+    distributed optimizer, the DP rank holding the most), Pmax = the largest parameter tensor's elements,
+    L = decoder layers on the stage. `cfg` is a TrainingConfig or its to_dict() (a trace header's config)."""
+    from . import model as M
+    from .args import TrainingConfig
+    from .memory import param_chunks
+    from .static_memory import static_memory
+    if isinstance(cfg, dict):
+        cfg = TrainingConfig.from_dict(cfg)
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    chunks = param_chunks(cfg, pp_rank, vpp)
+    st = static_memory(cfg, chunks, pp_rank=pp_rank)
+    layers = sum(len(M.stage_layers(cfg, pp_rank, vp if vpp > 1 else None)) for vp in range(vpp))
+    return {"P": st.optimizer_detail["state_elements"], "Pmax": max((p.numel for c in chunks for p in c), default=0),
+            "Pstep": _step_pairs(cfg, pp_rank, vpp), "L": layers}
+
+
+def _step_pairs(cfg: Any, pp_rank: int, vpp: int) -> int:
+    """max over megatron-core's optimizer parameter groups (weight-decay 2-D weights | no-decay biases and norm
+    weights, each dense | expert; every model chunk of the rank in order) of 2*p_i + p_(i-1), p the elements the
+    optimizer updates per parameter (the DP shard, rounded up, under the distributed optimizer). Parameter order
+    is the estimator's own (memory._param_infos of model.head_ops / layer_ops / tail_ops)."""
+    import dataclasses
+    from . import model as M
+    from .memory import _param_infos
+    tied = not getattr(cfg, "untie_embeddings_and_output_weights", False)
+    pp = cfg.pipeline_model_parallel_size
+    dp = (cfg.data_parallel_size * (cfg.context_parallel_size or 1)) if cfg.use_distributed_optimizer else 1
+    table = M.chunk_layer_table(cfg)
+    groups: Dict[Tuple[bool, bool], List[int]] = {}
+    for vp in range(vpp):
+        vp_stage = vp if vpp > 1 else None
+        first, last = M.has_embedding(cfg, pp_rank, vp_stage), M.has_output(cfg, pp_rank, vp_stage)
+        ops = M.head_ops(cfg, first) + [o for layer in table[(pp_rank, vp)] for o in M.layer_ops(cfg, layer)] \
+            + M.tail_ops(cfg, first, last)
+        for expert in (False, True):
+            for wd in (True, False):
+                part = [dataclasses.replace(o, shapes=tuple(x for x in o.shapes if (len(x) > 1) == wd))
+                        for o in ops if o.is_expert == expert]
+                groups.setdefault((expert, wd), []).extend(
+                    -(-p.numel // dp) for p in _param_infos([o for o in part if o.shapes], tied, pp))
+    best = 0
+    for seq in groups.values():
+        for i, n in enumerate(seq):
+            best = max(best, 2 * n + (seq[i - 1] if i else 0))
+    return best
+
+
+def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
+    """The per-rank variables of FORMATS 4 (plain numbers) for one config; P, Pmax and L (STAGE_VARIABLES) are
+    those of pipeline stage `pp_rank` and are computed only when looked up (`.complete()` forces them)."""
     h = _get(cfg, "hidden_size")
     a = _get(cfg, "num_attention_heads")
     t = _get(cfg, "tensor_model_parallel_size", 1)
     cp = _get(cfg, "context_parallel_size", 1)
     f = _get(cfg, "ffn_hidden_size", 4 * h)
     E = _get(cfg, "num_experts", 0)
-    return {
+    values = {
         "s": _get(cfg, "seq_length") / cp,
         "b": _get(cfg, "micro_batch_size", 1),
         "h": h, "f": f, "a": a,
@@ -297,6 +375,7 @@ def variables(cfg: Any) -> Dict[str, float]:
         "etp": _get(cfg, "expert_tensor_parallel_size", t),
         "e": 4 if dtype_of(cfg) == "fp32" else 2,
     }
+    return _Variables(values, cfg, pp_rank)
 
 
 def attention_kernel(cfg: Any) -> str:
@@ -329,6 +408,7 @@ def switches(cfg: Any) -> Dict[str, Any]:
         "moe": bool(v["E"]),
         "dropout": bool(_get(cfg, "hidden_dropout", 0.1) or _get(cfg, "attention_dropout", 0.1)),
         "gqa": v["g"] != v["a"],
+        "tp": v["t"] > 1,
     }
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
-from .static_memory import ParamInfo, StaticMemory, static_memory
+from .static_memory import ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
                 n = 1
                 for x in shape:
                     n *= x
-                params.append(ParamInfo(n, op.is_expert, shared))
+                params.append(ParamInfo(n, op.is_expert, shared, len(shape)))
     return params
 
 
@@ -107,6 +107,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     if chunks_by_stage is None:
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
+    attn_buffer = attention_buffer_bytes(cfg)
     memo: dict = {}  # equal chunks (same layer kinds, same place in the model) are evaluated once
     ranks = []
     for r in range(pp):
@@ -134,14 +135,16 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             memo[stage_key] = per_op
         per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
         st = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
+        # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
+        base = st.total_bytes + (attn_buffer if any(layer_table[(r, vp)] for vp in range(vpp)) else 0)
         if timeline:
             steps = S.order(pp, r, M_, vp_arg, group)
-            tl = S.simulate(steps, chunks, st.total_bytes, st.optimizer_step_transient_bytes, keep_events=True,
+            tl = S.simulate(steps, chunks, base, st.optimizer_step_transient_bytes, keep_events=True,
                             warmup=S.warmup_count(pp, r, M_, vp_arg, group))
             # Activation bytes at the peak: the saved microbatches live then; the rest of the peak is transient.
             act = 0.0 if tl.peak_phase == "optimizer step" else _saved_at(steps, chunks, tl.peak_index)
         else:
-            tl, act = S.rank_timeline(pp, r, M_, chunks, st.total_bytes, st.optimizer_step_transient_bytes,
+            tl, act = S.rank_timeline(pp, r, M_, chunks, base, st.optimizer_step_transient_bytes,
                                       vp=vp_arg, group=group)
         cats = {"parameters": st.weights_bytes, "gradients": st.grad_buffer_bytes,
                 "optimizer_states": st.optimizer_bytes, "activations": act,

@@ -210,7 +210,8 @@ def _merge_equal_rows(colls: list) -> list:
 def _text_groups(report) -> list[str]:
     lines = []
     layout = report.layout
-    for dim in ("tp", "cp", "dp", "pp", "ep", "expert-tp", "expert-dp", "embedding"):
+    dims = ("tp", "cp", "dp", "pp") + (("ep", "expert-tp", "expert-dp") if report.cfg.is_moe else ()) + ("embedding",)
+    for dim in dims:
         groups = layout.groups.get(dim, [])
         if not groups or all(len(g) == 1 for g in groups):
             continue

@@ -20,7 +20,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # One parameter as DDP sees it (named_parameters order): numel; expert (allreduce=False in megatron-core: goes to
 # the expert-DP buffer); shared_embedding (tied embedding/output weight with PP > 1: own bucket under dist-opt).
 # collections.namedtuple, which typing.NamedTuple builds on, without importing typing at start-up.
-ParamInfo = namedtuple("ParamInfo", ["numel", "expert", "shared_embedding"], defaults=(False, False))
+# ndim: the tensor's rank; megatron-core puts 1-D params (biases, norm weights) in the no-weight-decay group, which
+# decides the optimizer's parameter order (step_transient_bytes).
+ParamInfo = namedtuple("ParamInfo", ["numel", "expert", "shared_embedding", "ndim"], defaults=(False, False, 2))
 ParamInfo.__doc__ = "One parameter as DDP sees it (named_parameters order)."
 
 
@@ -234,11 +236,88 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     states = opt_states * state_elems
     detail = {"master_params_bytes": master, "fp32_grad_copy_bytes": grad_copy, "states_bytes": states,
               "state_elements": state_elems, "optimizer": _g(cfg, "optimizer", "adam")}
-    # Step transient: a fused multi-tensor step needs no parameter-sized temporaries; grad-norm / clipping keep one
-    # fp32 vector of the largest tensor's shard at most (modelled, conservative).
-    sharded_largest = -(-largest // (dp_dense if dist_opt else 1))
+    if _g(cfg, "optimizer", "adam") == "adam" and local_spec(cfg):
+        transient = step_transient_bytes(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)
+    else:
+        # A fused multi-tensor step (TE / apex FusedAdam) needs no parameter-sized temporaries; grad-norm / clipping
+        # keep one fp32 vector of the largest tensor's shard at most (modelled, conservative).
+        transient = 4 * -(-largest // (dp_dense if dist_opt else 1))
     return StaticMemory(params, expert, weights, grads, master + grad_copy + states, detail, gnumel, padding,
-                        4 * sharded_largest)
+                        transient)
+
+
+def local_spec(cfg: Any) -> bool:
+    """megatron-core's local spec (no Transformer Engine): the path measured on CPU, where the optimizer is torch's
+    AdamW and attention is the local DotProductAttention."""
+    spec = _g(cfg, "spec", None)
+    return _g(cfg, "transformer_impl", "transformer_engine") == "local" or bool(spec and spec[0] == "local")
+
+
+def attention_buffer_bytes(cfg: Any) -> int:
+    """megatron-core's local DotProductAttention takes its baddbmm output from the global memory buffer
+    (parallel_state.get_global_memory_buffer().get_tensor((b * heads / TP, sq, sk), dtype, "mpu")): one tensor per
+    process, allocated by the first forward and kept for the rest of training (measured on CPU: b*(a/t)*s*s
+    elements of the activation dtype, e.g. 175,616 B for b=2, a=7, s=56, fp32). 0 outside the local spec."""
+    if not local_spec(cfg):
+        return 0
+    e = DTYPE_BYTES[precision(cfg)[0]]
+    s = _g(cfg, "seq_length", 0) // _g(cfg, "context_parallel_size", 1)
+    return e * _g(cfg, "micro_batch_size", 1) * (_g(cfg, "num_attention_heads", 0) // _g(cfg, "tensor_model_parallel_size", 1)) * s * s
+
+
+def step_transient_bytes(chunks: Sequence[Iterable[ParamInfo]], dist_opt: bool, dp_dense: int, dp_expert: int,
+                         bucket: Optional[int] = None, pp_rank: int = 0) -> int:
+    """Peak above the level at the optimizer step's entry when megatron-core falls back to torch.optim.AdamW
+    (no Transformer Engine / apex FusedAdam: the CPU path, and what the local spec is measured with).
+
+    Measured on CPU (megatron-core 0.16.1, torch 2.13.0): torch's single-tensor AdamW computes, per parameter in
+    optimizer-group order, `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two fp32 temporaries
+    of the parameter's size while the previous parameter's `denom` is still bound, so the peak is
+    max over consecutive params (prev + 2 * cur) fp32 elements, within a param group (the function returns between
+    groups). megatron-core's groups: (weight decay | not: 1-D params and biases) x (dense | expert), each in
+    named_parameters order over the model chunks. With the distributed optimizer the step runs on this DP rank's
+    shards, in grad-buffer order (params reversed within each buffer), zero-sized shards skipped; the largest DP
+    rank is taken. (The grad-norm pass before it keeps one param-sized temporary at a time: never larger.)"""
+    groups: Dict[Tuple[bool, bool], List[int]] = {}
+    if not dist_opt:
+        for chunk in chunks:
+            for p in chunk:
+                p = p if isinstance(p, ParamInfo) else ParamInfo(*p)
+                groups.setdefault((p.ndim > 1, bool(p.expert)), []).append(p.numel)
+        return 4 * max((_adam_peak(v) for v in groups.values()), default=0)
+    best = 0
+    dps = {False: dp_dense, True: dp_expert}
+    for r in sorted({0, max(dp_dense, dp_expert) - 1}):
+        groups = {}
+        for ci, chunk in enumerate(chunks):
+            chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
+            bsize = bucket if (pp_rank == 0 and ci == 0) else None
+            for is_exp in (False, True):
+                group = [p for p in chunk if bool(p.expert) == is_exp]
+                if not group:
+                    continue
+                dp = dps[is_exp]
+                lay = buffer_layout([p.numel for p in group], [p.shared_embedding for p in group], dp, True, bsize)
+                shards = [0] * len(group)
+                for (b0, b1) in lay.buckets:
+                    size = (b1 - b0) // dp
+                    lo, hi = b0 + (r % dp) * size, b0 + (r % dp + 1) * size
+                    for i, (p0, p1) in enumerate(lay.param_ranges):
+                        if p0 >= b0 and p1 <= b1 and p1 > lo and p0 < hi:
+                            shards[i] += min(p1, hi) - max(p0, lo)
+                for i in range(len(group) - 1, -1, -1):  # buffer order: params reversed
+                    if shards[i]:
+                        groups.setdefault((group[i].ndim > 1, is_exp), []).append(shards[i])
+        best = max(best, max((_adam_peak(v) for v in groups.values()), default=0))
+    return 4 * best
+
+
+def _adam_peak(numels: Sequence[int]) -> int:
+    prev, top = 0, 0
+    for n in numels:
+        top = max(top, prev + 2 * n)
+        prev = n
+    return top
 
 
 def table_bytes_per_param(cfg: Any) -> float:

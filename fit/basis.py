@@ -14,7 +14,8 @@ from typing import Mapping
 Monomial = tuple  # tuple[tuple[str, int], ...], sorted by variable name
 
 # The FORMATS 4 variables, and the Megatron flag that changes each (for "vary X" hints).
-VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs", "t", "st", "cp", "ep", "etp", "e")
+VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs", "t", "st", "cp", "ep", "etp", "e",
+             "P", "Pmax", "Pstep", "L")
 FLAG_HINTS = {
     "s": "--seq-length", "b": "--micro-batch-size", "h": "--hidden-size", "f": "--ffn-hidden-size",
     "a": "--num-attention-heads", "g": "--num-query-groups (with --group-query-attention)",
@@ -23,6 +24,10 @@ FLAG_HINTS = {
     "t": "--tensor-model-parallel-size", "st": "--sequence-parallel (with TP > 1)",
     "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
     "etp": "--expert-tensor-parallel-size", "e": "--bf16 / --fp16 (element size)",
+    "P": "the parameter count (--hidden-size, --ffn-hidden-size, --vocab-size, --num-layers, TP/EP/DP sharding)",
+    "Pmax": "the largest parameter tensor (--vocab-size x --hidden-size / TP, or the MLP weights)",
+    "Pstep": "the parameter shapes (largest 2*p_i + p_(i-1) within an optimizer parameter group)",
+    "L": "--num-layers (per pipeline stage)",
 }
 
 
@@ -91,7 +96,10 @@ FAMILIES: dict[str, list[str]] = {
     "experts": ["s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st", "E/ep", "1"],
     "shared_experts": ["s*b*fs/t", "s*b*h/st", "s*b*h", "1"],
     "token_dispatcher": ["s*b*k*h/st", "s*b*k*h", "s*b*k/st", "s*b*E/st", "E/ep", "1"],
-    "optimizer": ["h*h/t", "h*f/t", "v*h/t", "h", "f/t", "1"],
+    # The optimizer step (torch AdamW on CPU, one parameter at a time): parameter-sized temporaries (two of the
+    # current parameter while the previous one's is still referenced: Pstep), or ones of the largest tensor, or of
+    # all parameters the rank's optimizer holds (per-stage variables, FORMATS 4).
+    "optimizer": ["Pstep", "Pmax", "P", "1"],
 }
 
 

@@ -85,8 +85,9 @@ class Sample:
 
 
 def point_of(config: dict) -> dict:
-    """FORMATS 4 variables of a config as exact rationals (the estimator's own definition)."""
-    return {k: Fraction(v) for k, v in config_variables(config).items()}
+    """FORMATS 4 variables of a config as exact rationals (the estimator's own definition), the per-stage P, Pmax
+    and L included (the fit grids have one pipeline stage, so every rank of a run shares them)."""
+    return {k: Fraction(v) for k, v in config_variables(config).complete().items()}
 
 
 def reduce_values(values: list[int], peak: bool = False) -> int | None:
@@ -101,7 +102,7 @@ def reduce_values(values: list[int], peak: bool = False) -> int | None:
 
 
 def expand_dirs(paths: list[str]) -> list[str]:
-    """Run directories (holding rank*.json/rank*.trace), also found one level below a given directory."""
+    """Run directories (holding rank*.json/rank*.trace[.xz|.gz]), also found one level below a given directory."""
     out = []
     for p in paths:
         if not os.path.isdir(p):
@@ -119,7 +120,9 @@ def expand_dirs(paths: list[str]) -> list[str]:
 
 
 def _is_run(path: str) -> bool:
-    return os.path.isdir(path) and any(f.startswith("rank") and f.endswith(".trace") for f in os.listdir(path))
+    """Holds rank<R>.trace files, or their packed form rank<R>.trace.xz / .trace.gz (fit/traces/)."""
+    from tracer.trace_reader import TRACE_SUFFIXES
+    return os.path.isdir(path) and any(f.startswith("rank") and f.endswith(TRACE_SUFFIXES) for f in os.listdir(path))
 
 
 def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:

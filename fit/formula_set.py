@@ -1,8 +1,9 @@
 """Write fitted formulas as a FORMATS 4 formula-set file, with provenance.
 
-A formula is written when its saved bytes are determined; a transient peak the data could not determine is an
-empty list (0 bytes) with a `note` saying so, and every refusal with its reason goes into provenance, so gaps are
-visible rather than guessed. The result is validated with the estimator's own loader before it is written.
+A formula is written when at least one of its quantities is determined. A quantity the data could not determine
+is `null` (FORMATS 4: the estimator then takes that quantity from the modelled set and lists it as a fallback),
+with a `note` saying why; `[]` means a determined 0 bytes (or a quantity the op never has, such as the optimizer
+step's backward). Every refusal with its reason also goes into provenance, so gaps are visible rather than guessed. The result is validated with the estimator's own loader before it is written.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .dataset import RunInfo
 from .group import OpFormula
 from .solve import format_terms
 
-FITTER_VERSION = 1
+FITTER_VERSION = 2   # 2: undetermined quantities are null (FORMATS 4), not []
 
 
 def coef_json(c: Fraction):
@@ -35,9 +36,10 @@ def terms_json(terms) -> list:
 def formula_json(f: OpFormula) -> dict:
     out = {"op": f.op, "per": f.per, "when": dict(f.when)}
     for m in ("saved", "fwd_peak", "bwd_peak"):
-        out[m] = terms_json(f.fits[m].terms) if m in f.fits else []
+        out[m] = terms_json(f.fits[m].terms) if m in f.fits else None if m in f.refused else []
     if f.refused:
-        out["note"] = "; ".join(f"{m} not determined (reads as 0): {why}" for m, why in f.refused.items())
+        out["note"] = "; ".join(f"{m} not determined (null: the estimator falls back to the modelled set): {why}"
+                                for m, why in f.refused.items())
     return out
 
 
@@ -61,7 +63,7 @@ def build(name: str, runs: list[RunInfo], formulas: list[OpFormula], description
     base = base_dir or os.getcwd()
     if runs and any(os.path.relpath(r.path, base).startswith("..") for r in runs):
         base = os.path.dirname(os.path.commonpath([os.path.abspath(os.path.dirname(r.path)) for r in runs]))
-    kept = [f for f in formulas if f.ok]
+    kept = [f for f in formulas if f.fits]   # any determined quantity; the rest are null
     versions = sorted({json.dumps(r.versions, sort_keys=True) for r in runs})
     prov = {
         "fitter": {"name": "megatron-memtrace fit", "version": FITTER_VERSION, "numpy": np.__version__,

@@ -17,7 +17,7 @@ from .solve import Fit, FitRefused, fit_group, leave_one_out
 
 # Switches most likely to change what an op saves come first, so ties between equally small S prefer them.
 SWITCH_ORDER = ("attention", "recompute", "moe", "activation", "position", "normalization", "gqa", "dropout",
-                "sp", "dtype")
+                "tp", "sp", "dtype")
 MOE_VARS = ("E", "k", "fs", "ep")
 LOO_EXACT_LIMIT = 1e-6      # an exact formula must predict held-out configs exactly (up to float printing)
 
@@ -46,6 +46,8 @@ def domain(when: dict) -> tuple[set, dict]:
         fixed.add("st")
     elif when.get("sp") is True:
         ties["st"] = "t"
+    if when.get("tp") is False:     # no tensor parallelism: t (and with it st) is 1 throughout the part
+        fixed.update(("t", "st"))
     if when.get("gqa") is False:
         ties["g"] = "a"
     if when.get("moe") is False:

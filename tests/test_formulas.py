@@ -91,3 +91,25 @@ def test_malformed_files_give_clear_errors(tmp_path, bad, msg):
 def test_unknown_set_name():
     with pytest.raises(F.FormulaError, match="shipped"):
         F.load("no-such-set")
+
+
+def test_fitted_set_falls_back_to_modelled_for_null_quantities_and_missing_ops():
+    from estimator.args import parse_args
+    cfg = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                     "--max-position-embeddings 32 --micro-batch-size 2 --vocab-size 128 "
+                     "--transformer-impl local".split())
+    modelled = F.load("modelled")
+    sw = F.switches(cfg)
+    doc = {"format": F.FORMAT, "version": F.VERSION, "name": "t", "kind": "fitted",
+           "formulas": [{"op": "layers.*.mlp", "per": "layer", "when": {},
+                         "saved": [], "fwd_peak": None, "bwd_peak": [{"coef": 3, "vars": {"h": 1}}]}]}
+    fitted = F.from_dict(doc)
+    fitted.fallback = modelled
+    env = F.variables(cfg)
+    saved, fwd, bwd = F.select(fitted, "layers.*.mlp", sw).evaluate(env)
+    assert saved == 0                                   # an empty list is a determined zero
+    assert bwd == 3 * cfg.hidden_size                   # a determined quantity is the fitted one
+    assert fwd == F.select(modelled, "layers.*.mlp", sw).evaluate(env)[1]  # null -> modelled
+    assert F.select(fitted, "layers.*", sw).evaluate(env) == F.select(modelled, "layers.*", sw).evaluate(env)
+    assert ("layers.*.mlp", "fwd_peak") in fitted.fallbacks and ("layers.*", "saved") in fitted.fallbacks
+    assert ("layers.*.mlp", "saved") not in fitted.fallbacks

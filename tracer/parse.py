@@ -384,8 +384,24 @@ def _op_stats(pr: ParsedRank) -> list[dict]:
         key = (op, layer, num(mb_row[i]), num(it_row[i]))
         row = rows.setdefault(key, {"op": op, "layer": layer, "microbatch": key[2], "iteration": key[3],
                                     "saved_bytes": 0, "fwd_peak_bytes": None, "bwd_peak_bytes": 0})
-        row["bwd_peak_bytes"] = max(row["bwd_peak_bytes"] or 0, int(peak[i]))
+        bwd_peak = int(peak[i]) + _bwd_residual(pr, int(mb_row[i]), i)
+        row["bwd_peak_bytes"] = max(row["bwd_peak_bytes"] or 0, bwd_peak)
     return list(rows.values())
+
+
+def _bwd_residual(pr: ParsedRank, bwd_row: int, layer_row: int) -> int:
+    """Bytes allocated earlier in the same microbatch's backward and still live when this layer's backward starts.
+
+    These are gradients in flight (the incoming hidden-state gradient, what the loss and output layer's backward
+    left). A layer's backward peak counts them, so it is measured above the bytes saved for backward rather than
+    above the entry level: that is the baseline the estimator's schedule adds it to."""
+    sc, a = pr.scopes, pr.allocs
+    if bwd_row < 0:
+        return 0
+    start, entry = int(sc.open[bwd_row]), int(sc.open[layer_row])
+    lo, hi = np.searchsorted(a["idx"], [start, entry])  # allocations are in record order
+    live = a["free"][lo:hi] > entry
+    return int(a["size"][lo:hi][live].sum())
 
 
 def op_label(pr: ParsedRank, alloc_rows: np.ndarray) -> list[str]:

@@ -1,11 +1,16 @@
 """Read one rank's trace files (docs/FORMATS.md section 2) into numpy, without a Python loop per record.
 
 `read_trace(path)` accepts `.../rank0.trace`, `.../rank0.json`, `.../rank0.names` or the prefix `.../rank0`.
+A compressed record file, `rank0.trace.xz` or `rank0.trace.gz` (e.g. the packed campaign traces under fit/traces/),
+is read transparently when no plain `rank0.trace` exists: it is decompressed into memory, and a compressed stream
+that ends early (a copy cut short) is read up to its last complete record, like a truncated plain trace.
 """
 from __future__ import annotations
 
 import json
+import lzma
 import os
+import zlib
 import warnings
 from dataclasses import dataclass, field
 
@@ -64,18 +69,59 @@ def _rank_from_path(path: str) -> int:
     return int(base[4:]) if base.startswith("rank") and base[4:].isdigit() else 0
 
 
+COMPRESSED = (".xz", ".gz")          # record-file suffixes read transparently (after ".trace")
+TRACE_SUFFIXES = (".trace",) + tuple(".trace" + c for c in COMPRESSED)
+
+
 def trace_prefix(path: str) -> str:
-    """`dir/rank3.trace` / `.json` / `.names` / `dir/rank3` -> `dir/rank3`."""
-    for ext in (".trace", ".names", ".json"):
+    """`dir/rank3.trace` / `.trace.xz` / `.trace.gz` / `.json` / `.names` / `dir/rank3` -> `dir/rank3`."""
+    for ext in TRACE_SUFFIXES[1:] + (".trace", ".names", ".json"):
         if path.endswith(ext):
             return path[: -len(ext)]
     return path
 
 
-def read_header(path: str) -> dict:
-    """The binary file header as a dict; raises TraceFormatError on a bad magic or version."""
+def trace_file(prefix: str) -> str | None:
+    """The record file of a rank: `prefix.trace`, else `prefix.trace.xz`, else `prefix.trace.gz`; None if none."""
+    for ext in TRACE_SUFFIXES:
+        if os.path.exists(prefix + ext):
+            return prefix + ext
+    return None
+
+
+def decompress(path: str) -> tuple[bytes, bool]:
+    """The whole decompressed content of an .xz/.gz file and whether its stream was complete. A stream cut short
+    (or corrupt from some point on) yields what decompressed before that point."""
     with open(path, "rb") as f:
-        raw = f.read(HEADER_SIZE)
+        data = f.read()
+    if path.endswith(".xz"):
+        d = lzma.LZMADecompressor()
+        errors = (lzma.LZMAError, EOFError)
+    elif path.endswith(".gz"):
+        d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        errors = (zlib.error, EOFError)
+    else:
+        raise TraceFormatError(f"{path}: unknown compression (readable: {', '.join(COMPRESSED)})")
+    out, step = [], 1 << 20
+    try:
+        for i in range(0, len(data), step):  # chunked, so corruption late in the file keeps what came before
+            out.append(d.decompress(data[i:i + step]))
+            if d.eof:
+                break
+    except errors as exc:
+        if not out or not any(out):
+            raise TraceFormatError(f"{path}: cannot decompress ({exc})") from None
+        return b"".join(out), False
+    return b"".join(out), bool(d.eof)
+
+
+def read_header(path: str, raw: bytes | None = None) -> dict:
+    """The binary file header as a dict; raises TraceFormatError on a bad magic or version. `raw`: the file's
+    (decompressed) leading bytes when already in memory."""
+    if raw is None:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    raw = raw[:HEADER_SIZE]
     if len(raw) < HEADER_SIZE:
         raise TraceFormatError(f"{path}: {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte trace header")
     h = np.frombuffer(raw[: _FILE_HEADER_DTYPE.itemsize], dtype=_FILE_HEADER_DTYPE)[0]
@@ -119,17 +165,34 @@ def read_records(path: str, mmap: bool = False) -> tuple[np.ndarray, int]:
         return np.fromfile(f, dtype=RECORD_DTYPE, count=n), torn
 
 
+def records_from_bytes(raw: bytes) -> tuple[np.ndarray, int]:
+    """`read_records` for a trace already in memory (header included)."""
+    n = max(len(raw) - HEADER_SIZE, 0) // RECORD_SIZE
+    torn = len(raw) - HEADER_SIZE - n * RECORD_SIZE
+    if n <= 0:
+        return np.zeros(0, RECORD_DTYPE), max(torn, 0)
+    return np.frombuffer(raw, dtype=RECORD_DTYPE, count=n, offset=HEADER_SIZE), torn
+
+
 def read_trace(path: str, mmap: bool = False) -> Trace:
-    """Read header, records, names and the JSON header of one rank. Warns once if the file was truncated."""
+    """Read header, records, names and the JSON header of one rank. Warns once if the file was truncated.
+    A compressed record file (`.trace.xz` / `.trace.gz`) is decompressed into memory (`mmap` is ignored)."""
     prefix = trace_prefix(str(path))
-    tpath = prefix + ".trace"
-    if not os.path.exists(tpath):
-        raise TraceFormatError(f"{tpath}: no such trace file")
-    fh = read_header(tpath)
-    records, torn = read_records(tpath, mmap=mmap)
-    if torn:
-        warnings.warn(f"{tpath}: truncated trace, read {len(records)} complete records "
-                      f"and dropped {torn} trailing bytes", RuntimeWarning, stacklevel=2)
+    tpath = trace_file(prefix)
+    if tpath is None:
+        raise TraceFormatError(f"{prefix}.trace: no such trace file (nor {prefix}.trace.xz / .trace.gz)")
+    if tpath.endswith(".trace"):
+        fh = read_header(tpath)
+        records, torn = read_records(tpath, mmap=mmap)
+        complete = True
+    else:
+        raw, complete = decompress(tpath)
+        fh = read_header(tpath, raw)
+        records, torn = records_from_bytes(raw)
+    if torn or not complete:
+        why = "" if complete else "compressed stream ends early; "
+        warnings.warn(f"{tpath}: truncated trace ({why}read {len(records)} complete records "
+                      f"and dropped {torn} trailing bytes)", RuntimeWarning, stacklevel=2)
     header = {}
     if os.path.exists(prefix + ".json"):
         try:
@@ -145,14 +208,16 @@ def read_trace(path: str, mmap: bool = False) -> Trace:
 
 
 def find_traces(path: str) -> list[str]:
-    """A directory -> its rank<R>.trace files sorted by rank; a file or prefix -> [that trace]."""
+    """A directory -> its rank<R>.trace files (or .trace.xz / .trace.gz where no plain one exists) sorted by
+    rank; a file or prefix -> [that trace]."""
     if os.path.isdir(path):
-        files = [os.path.join(path, f) for f in os.listdir(path)
-                 if f.startswith("rank") and f.endswith(".trace")]
-        if not files:
+        prefixes = {os.path.join(path, trace_prefix(f)) for f in os.listdir(path)
+                    if f.startswith("rank") and f.endswith(TRACE_SUFFIXES)}
+        if not prefixes:
             raise TraceFormatError(f"{path}: no rank<R>.trace files in this directory")
-        return sorted(files, key=_rank_from_path)
-    return [trace_prefix(str(path)) + ".trace"]
+        return [trace_file(p) for p in sorted(prefixes, key=_rank_from_path)]
+    prefix = trace_prefix(str(path))
+    return [trace_file(prefix) or prefix + ".trace"]
 
 
 def write_trace(prefix: str, records: np.ndarray, names: dict[int, str] | list[str] = (),
