@@ -317,38 +317,21 @@ def stage_variables(cfg: Any, pp_rank: int = 0) -> Dict[str, int]:
     st = static_memory(cfg, chunks, pp_rank=pp_rank)
     layers = sum(len(M.stage_layers(cfg, pp_rank, vp if vpp > 1 else None)) for vp in range(vpp))
     return {"P": st.optimizer_detail["state_elements"], "Pmax": max((p.numel for c in chunks for p in c), default=0),
-            "Pstep": _step_pairs(cfg, pp_rank, vpp), "L": layers}
+            "Pstep": _step_pairs(cfg, chunks, pp_rank), "L": layers}
 
 
-def _step_pairs(cfg: Any, pp_rank: int, vpp: int) -> int:
-    """max over megatron-core's optimizer parameter groups (weight-decay 2-D weights | no-decay biases and norm
-    weights, each dense | expert; every model chunk of the rank in order) of 2*p_i + p_(i-1), p the elements the
-    optimizer updates per parameter (the DP shard, rounded up, under the distributed optimizer). Parameter order
-    is the estimator's own (memory._param_infos of model.head_ops / layer_ops / tail_ops)."""
-    import dataclasses
-    from . import model as M
-    from .memory import _param_infos
-    tied = not getattr(cfg, "untie_embeddings_and_output_weights", False)
-    pp = cfg.pipeline_model_parallel_size
-    dp = (cfg.data_parallel_size * (cfg.context_parallel_size or 1)) if cfg.use_distributed_optimizer else 1
-    table = M.chunk_layer_table(cfg)
-    groups: Dict[Tuple[bool, bool], List[int]] = {}
-    for vp in range(vpp):
-        vp_stage = vp if vpp > 1 else None
-        first, last = M.has_embedding(cfg, pp_rank, vp_stage), M.has_output(cfg, pp_rank, vp_stage)
-        ops = M.head_ops(cfg, first) + [o for layer in table[(pp_rank, vp)] for o in M.layer_ops(cfg, layer)] \
-            + M.tail_ops(cfg, first, last)
-        for expert in (False, True):
-            for wd in (True, False):
-                part = [dataclasses.replace(o, shapes=tuple(x for x in o.shapes if (len(x) > 1) == wd))
-                        for o in ops if o.is_expert == expert]
-                groups.setdefault((expert, wd), []).extend(
-                    -(-p.numel // dp) for p in _param_infos([o for o in part if o.shapes], tied, pp))
-    best = 0
-    for seq in groups.values():
-        for i, n in enumerate(seq):
-            best = max(best, 2 * n + (seq[i - 1] if i else 0))
-    return best
+def _step_pairs(cfg: Any, chunks: Sequence[Sequence[Any]], pp_rank: int) -> int:
+    """Pstep: static_memory.step_transient_bytes (the estimator's model of torch AdamW's one-tensor-at-a-time step:
+    max over megatron-core's optimizer parameter groups of prev + 2 * cur, on DP shards in grad-buffer order under
+    the distributed optimizer) in elements, whatever the spec (the set decides whether the step works that way)."""
+    from .static_memory import _g, step_transient_bytes
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
+    bucket = None
+    if _g(cfg, "overlap_grad_reduce", False):
+        bucket = _g(cfg, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp_dense)
+    return step_transient_bytes(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank) // 4
 
 
 def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:

@@ -1,4 +1,4 @@
-"""python -m fit.campaign GRID.json [--out DIR] [--resume] [-o SET.json]: profile a grid of configs, then fit.
+"""python -m fit.campaign GRID.json [--out DIR] [--resume] [--pack DIR] [-o SET.json]: profile a grid, then fit.
 
 A grid file names a base Megatron command line and a list of configs, each a small change to it:
 
@@ -235,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="CONFIG", help="profile only these configs")
     ap.add_argument("--no-fit", action="store_true", help="profile only")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config (default 600)")
+    ap.add_argument("--pack", metavar="DIR",
+                    help="after profiling, pack the complete configs xz-compressed into DIR (python -m fit.pack) and "
+                         "fit from DIR, so the set's provenance names the packed traces (e.g. fit/traces/<grid>)")
     args = ap.parse_args(argv)
     try:
         grid, _ = load_grid(args.grid)
@@ -246,6 +249,14 @@ def main(argv=None) -> int:
         print(f"{len(dirs)} config(s) traced in {out}" + (f", {len(failures)} failed" if failures else ""))
         if args.no_fit:
             return 1 if failures else 0
+        if args.pack:
+            from .pack import PackError, pack
+            try:
+                pack(out, args.pack, [os.path.basename(d) for d in dirs])
+            except PackError as exc:
+                raise GridError(str(exc)) from None
+            dirs = [os.path.join(args.pack, os.path.basename(d)) for d in dirs]
+            print(f"packed {len(dirs)} config(s) into {args.pack}")
         if not dirs:
             raise GridError("no complete traces to fit")
         from .__main__ import main as fit_main

@@ -17,7 +17,7 @@ from .solve import Fit, FitRefused, fit_group, leave_one_out
 
 # Switches most likely to change what an op saves come first, so ties between equally small S prefer them.
 SWITCH_ORDER = ("attention", "recompute", "moe", "activation", "position", "normalization", "gqa", "dropout",
-                "tp", "sp", "dtype")
+                "sp", "dtype", "tp")
 MOE_VARS = ("E", "k", "fs", "ep")
 LOO_EXACT_LIMIT = 1e-6      # an exact formula must predict held-out configs exactly (up to float printing)
 

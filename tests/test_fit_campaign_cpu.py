@@ -7,6 +7,7 @@ and a resumed campaign must not profile anything again. About two minutes on two
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.megatron
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
     out = tmp_path_factory.mktemp("ci_tiny")
-    r = subprocess.run([sys.executable, "-m", "fit.campaign", "fit/grids/ci_tiny.json", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "fit.campaign", "fit/grids/ci_tiny.json", "--out", str(out),
+                        "--pack", str(out / "packed")],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
@@ -40,6 +42,10 @@ def test_fitted_layer_matches_the_measured_reference(campaign):
     out, printed = campaign
     fset = load_set(str(out / "ci_tiny.json"))
     assert fset.kind == "fitted" and len(fset.provenance["traces"]) == 6
+    # fitted from the xz-packed copy (python -m fit.pack), which the trace reader reads directly
+    assert all(t["dir"].startswith("packed") for t in fset.provenance["traces"])
+    assert sorted(os.listdir(out / "packed" / "base")) == ["campaign.json", "rank0.json", "rank0.names",
+                                                           "rank0.trace.xz"]
     assert fset.provenance["versions"][0]["megatron_core"] == "0.16.1"
     layer_ops = sorted({f.op for f in fset.formulas if f.per == "layer"})
     # An unseen config (new shapes, TP 2 without SP): Korthikanti's sbh(10 + 24/t) in fp32 units is
