@@ -45,36 +45,14 @@ class BenchError(Exception):
 
 
 # ------------------------------------------------------------------------------------------------ grid
-def _set_flag(argv: list, flag: str, value) -> list:
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == flag:
-            i += 2 if i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1
-            continue
-        out.append(argv[i])
-        i += 1
-    return out if value is None else out + [flag, str(value)]
-
-
-def _flag_int(argv: list, flag: str, default: int = 1) -> int:
-    return int(argv[argv.index(flag) + 1]) if flag in argv else default
-
-
 def expand(grid: dict) -> list[dict]:
     """Grid entries -> [{name, argv, nproc, quick}] (same `base` / `set` / `flags` / `unset` rules as fit.campaign)."""
+    from fit.campaign import config_argv
     base = [str(x) for x in grid.get("base", [])]
     out = []
     for c in grid["configs"]:
-        argv = list(base)
-        for flag, value in (c.get("set") or {}).items():
-            argv = _set_flag(argv, flag, value)
-        for flag in c.get("unset") or []:
-            argv = [a for a in argv if a != flag]
-        argv += [f for f in c.get("flags") or [] if f not in argv]
-        nproc = c.get("nproc") or (_flag_int(argv, "--tensor-model-parallel-size")
-                                   * _flag_int(argv, "--pipeline-model-parallel-size")
-                                   * _flag_int(argv, "--context-parallel-size"))
-        out.append({"name": c["name"], "argv": argv, "nproc": int(nproc), "quick": bool(c.get("quick"))})
+        argv, nproc = config_argv(base, c)
+        out.append({"name": c["name"], "argv": argv, "nproc": nproc, "quick": bool(c.get("quick"))})
     return out
 
 

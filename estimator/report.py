@@ -252,9 +252,10 @@ def to_text(report) -> str:
     out += ["", f"Model tree, pipeline stage {est.max_peak_pp_rank} (one TP/EP rank; activation bytes per "
                 f"microbatch summed over its layers)"]
     out += ["  " + s for s in _text_model_tree(report, est.max_peak_pp_rank)]
-    total = sum(rp.total for rp in report.rank_params)
-    out += [f"  parameters per model replica on this layout: {human_count(total)} per TP/EP slice summed over "
-            f"stages; see per-rank table", ""]
+    from estimator.model import model_total_params
+    worst_params = report.rank_params[est.max_peak_pp_rank].total
+    out += [f"  model parameters (unsharded, tied weights once): {human_count(model_total_params(cfg))}; "
+            f"on one GPU of this stage: {human_count(worst_params)}", ""]
     out += _text_memory(report)
     out += ["", f"Per-rank table ({est.schedule} schedule; every GPU of a pipeline stage holds the same shapes; "
                 f"GiB)"]

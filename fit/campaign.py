@@ -76,17 +76,23 @@ def load_grid(path: str) -> tuple[dict, list[Config]]:
         unknown = set(c) - {"name", "set", "flags", "unset", "nproc", "note"}
         if unknown:
             raise GridError(f"{path}: configs[{i}] ({c['name']}): unknown keys {sorted(unknown)}")
-        argv = list(base)
-        for flag, value in (c.get("set") or {}).items():
-            argv = _set_flag(argv, flag, value)
-        for flag in c.get("unset") or []:
-            argv = [a for a in argv if a != flag]
-        argv += [f for f in c.get("flags") or [] if f not in argv]
-        nproc = c.get("nproc") or (_flag_int(argv, "--tensor-model-parallel-size")
-                                   * _flag_int(argv, "--pipeline-model-parallel-size")
-                                   * _flag_int(argv, "--context-parallel-size"))
-        configs.append(Config(c["name"], argv, int(nproc)))
+        configs.append(Config(c["name"], *config_argv(base, c)))
     return grid, configs
+
+
+def config_argv(base: list, c: dict) -> tuple[list, int]:
+    """One grid entry's Megatron command line (base, then its `set`, `unset` and `flags`) and process count
+    (`nproc`, else TP x PP x CP). The accuracy benchmark's held-out grid uses the same rules."""
+    argv = list(base)
+    for flag, value in (c.get("set") or {}).items():
+        argv = _set_flag(argv, flag, value)
+    for flag in c.get("unset") or []:
+        argv = [a for a in argv if a != flag]
+    argv += [f for f in c.get("flags") or [] if f not in argv]
+    nproc = c.get("nproc") or (_flag_int(argv, "--tensor-model-parallel-size")
+                               * _flag_int(argv, "--pipeline-model-parallel-size")
+                               * _flag_int(argv, "--context-parallel-size"))
+    return argv, int(nproc)
 
 
 # ------------------------------------------------------------------------------------------------- runs
