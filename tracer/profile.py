@@ -344,9 +344,11 @@ def worker(opts: Options) -> int:
     finally:
         scopes.enable(False)
         header["coords"] = header["coords"] or _coords_or_none()
+        # Close first: gloo threads can still allocate until tracing stops, and the header's counters must describe
+        # the same events as the file (the counters stop with the trace and reset only at the next open).
+        allocator.close()
         header["allocator_peak_bytes"] = allocator.peak_bytes()
         header["allocator_live_bytes"] = allocator.live_bytes()
-        allocator.close()
         write_header(hpath, header)
     if status == 0 and torch.distributed.is_initialized():
         torch.distributed.barrier()
