@@ -7,7 +7,7 @@ at chunk entry during its forward) and `bwd_extra` (transient above the level wi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 
 from . import formulas as F
 

@@ -8,10 +8,10 @@ values of unknown flags reliably; here every unknown flag is kept in `ignored_ar
 """
 from __future__ import annotations
 
-import ast
-import dataclasses
 import math
-from dataclasses import dataclass, field
+
+from estimator import _record
+from estimator._record import dataclass, field
 
 
 
@@ -114,11 +114,11 @@ class TrainingConfig:
     warnings: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return _record.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainingConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in _record.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown TrainingConfig fields: {', '.join(unknown)}")
@@ -276,6 +276,7 @@ def _moe_freq(raw: str) -> Any:
     """Megatron's moe_freq_type: an int N, or a Python list expression such as "([1]*3+[0])*2"."""
     if "[" not in raw:
         return int(raw)
+    import ast
     pattern = _eval_list_expression(ast.parse(raw, mode="eval").body)
     if not all(v in (0, 1) for v in pattern):
         raise ValueError(raw)
@@ -284,6 +285,7 @@ def _moe_freq(raw: str) -> Any:
 
 def _eval_list_expression(node: ast.AST) -> Any:
     # Only list literals, ints, + and * : enough for Megatron's patterns, without eval().
+    import ast  # imported on use: it is slow to import and only MoE layer patterns need it
     if isinstance(node, ast.List):
         return [_eval_list_expression(e) for e in node.elts]
     if isinstance(node, ast.Constant) and isinstance(node.value, int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from estimator._record import dataclass
 
 from estimator import comm as C
 from estimator import formulas as F
@@ -121,6 +121,86 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     return Report(cfg, fset, est, layout, comm)
 
 
+def dumps_indent1(obj) -> str:
+    """json.dumps(obj, indent=1), byte for byte, for the JSON types the report holds (dict, list, tuple, str, int,
+    float, bool, None). json's encoder is pure Python once an indent is asked for; this one is a little faster.
+    Any other type goes to json.dumps for that value (so an unsupported one still raises TypeError there)."""
+    from json.encoder import encode_basestring_ascii as enc
+    out: list = []
+    emit = out.append
+    float_repr = float.__repr__
+    int_repr = int.__repr__
+    inf = float("inf")
+
+    def fl(o):
+        if o != o:
+            return "NaN"
+        if o == inf:
+            return "Infinity"
+        if o == -inf:
+            return "-Infinity"
+        return float_repr(o)
+
+    def key(k):
+        if isinstance(k, str):
+            return enc(k)
+        if k is True:
+            return '"true"'
+        if k is False:
+            return '"false"'
+        if k is None:
+            return '"null"'
+        if isinstance(k, float):
+            return enc(fl(k))
+        if isinstance(k, int):
+            return enc(int_repr(k))
+        raise TypeError(f"keys must be str, int, float, bool or None, not {k.__class__.__name__}")
+
+    def walk(o, level):
+        if isinstance(o, str):
+            emit(enc(o))
+        elif o is None:
+            emit("null")
+        elif o is True:
+            emit("true")
+        elif o is False:
+            emit("false")
+        elif isinstance(o, int):
+            emit(int_repr(o))
+        elif isinstance(o, float):
+            emit(fl(o))
+        elif isinstance(o, (list, tuple)):
+            if not o:
+                emit("[]")
+                return
+            nl = "\n" + " " * (level + 1)
+            emit("[")
+            first = True
+            for v in o:
+                emit(nl if first else "," + nl)
+                first = False
+                walk(v, level + 1)
+            emit("\n" + " " * level + "]")
+        elif isinstance(o, dict):
+            if not o:
+                emit("{}")
+                return
+            nl = "\n" + " " * (level + 1)
+            emit("{")
+            first = True
+            for k, v in o.items():
+                emit((nl if first else "," + nl) + key(k) + ": ")
+                first = False
+                walk(v, level + 1)
+            emit("\n" + " " * level + "}")
+        else:
+            text = json.dumps(o, indent=1)  # raises TypeError as json.dump would
+            emit(text.replace("\n", "\n" + " " * level))
+
+    walk(obj, 0)
+    return "".join(out)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -136,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if own["json"]:
-        json.dump(R.to_json(report), sys.stdout, indent=1)
+        sys.stdout.write(dumps_indent1(R.to_json(report)))
         sys.stdout.write("\n")
     else:
         sys.stdout.write(R.to_text(report))

@@ -20,7 +20,7 @@ all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, send = me
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, precision

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 
 FORMAT = "megatron-memtrace-formulas"
 VERSION = 1
@@ -146,6 +146,32 @@ def _coef(raw: Any, where: str) -> Fraction:
 
 
 def _terms(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
+    """The terms of one quantity. Well-formed input takes the fast path below; anything it does not accept is
+    checked term by term by _terms_checked (same result, or the error message naming the bad term)."""
+    if raw.__class__ is not list:
+        return _terms_checked(raw, where)
+    out = []
+    for t in raw:
+        if t.__class__ is not dict:
+            return _terms_checked(raw, where)
+        coef = t.get("coef", _NO_COEF)
+        vs = t.get("vars") or {}
+        if coef.__class__ is not int or len(t) != (2 if "vars" in t else 1) or vs.__class__ is not dict:
+            return _terms_checked(raw, where)
+        pairs = []
+        for name, exp in vs.items():
+            if exp.__class__ is not int or name not in VARIABLES:
+                return _terms_checked(raw, where)
+            if exp:
+                pairs.append((name, exp))
+        out.append(Term(coef, tuple(sorted(pairs))))
+    return tuple(out)
+
+
+_NO_COEF = object()
+
+
+def _terms_checked(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
     if raw is None:
         return None  # undetermined by the data (a fitted set says so); select() falls back for it
     if not isinstance(raw, list):

@@ -1,7 +1,7 @@
 """Top level: per rank class static memory + schedule-simulated activations -> peak (estimate(cfg, fset))."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 
 from . import activations as A
 from . import formulas as F

@@ -10,7 +10,7 @@ EP (whole experts) and expert-TP, shared experts over TP.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 from math import prod
 
 from estimator.args import TrainingConfig

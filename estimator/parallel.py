@@ -9,7 +9,7 @@ estimator must not import torch or megatron.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # Megatron-LM --use-tp-pp-dp-mapping
@@ -190,20 +190,115 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     if not (order.endswith("pp") or pp == 1 or edp == dp):
         raise ParallelConfigError("When not using pp-last rank ordering, the data parallel size of the attention "
                                   "and moe layers must be the same")
-    if dense.get_ranks("pp") != expert.get_ranks("pp"):
+    pp_groups = dense.get_ranks("pp")
+    if pp_groups != expert.get_ranks("pp"):
         raise ParallelConfigError("Pipeline parallel groups are expected to be the same for Non-Expert and Expert part")
 
-    groups = {name: dense.get_ranks(tok) for name, tok in DENSE_GROUPS.items()}
-    groups.update({name: expert.get_ranks(tok) for name, tok in EXPERT_GROUPS.items()})
-    # default_embedding_ranks / default_position_embedding_ranks: first and last (resp. first) stage of each pp group.
-    groups["embedding"] = [[g[0]] if len(g) == 1 else [g[0], g[-1]] for g in groups["pp"]]
-    groups["position-embedding"] = [[g[0]] for g in groups["pp"]]
-    groups["world"] = [list(range(world_size))]
+    groups = _LazyGroups(dense, expert, world_size)
+    dict.__setitem__(groups, "pp", pp_groups)
 
     nproc = nproc_per_node or world_size
     return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, edp=edp,
                           order=dense.order if order == DEFAULT_ORDER else order, nproc_per_node=nproc,
                           groups=groups, _grids=(dense, expert))
+
+
+class _LazyGroups(dict):
+    """The layout's groups dict, each kind computed on first access (a full estimate asks for a few of them).
+    Behaves as the plain dict {kind: groups} in the order DENSE_GROUPS, EXPERT_GROUPS, embedding,
+    position-embedding, world; anything but item access materializes every kind first."""
+    KINDS = tuple(DENSE_GROUPS) + tuple(EXPERT_GROUPS) + ("embedding", "position-embedding", "world")
+
+    def __init__(self, dense, expert, world_size):
+        super().__init__()
+        self._src = (dense, expert, world_size)
+        self._full = False
+
+    def _make(self, name):
+        dense, expert, world_size = self._src
+        if name in DENSE_GROUPS:
+            return dense.get_ranks(DENSE_GROUPS[name])
+        if name in EXPERT_GROUPS:
+            return expert.get_ranks(EXPERT_GROUPS[name])
+        # default_embedding_ranks / default_position_embedding_ranks: first and last (resp. first) stage of each
+        # pp group.
+        if name == "embedding":
+            return [[g[0]] if len(g) == 1 else [g[0], g[-1]] for g in self["pp"]]
+        if name == "position-embedding":
+            return [[g[0]] for g in self["pp"]]
+        if name == "world":
+            return [list(range(world_size))]
+        raise KeyError(name)
+
+    def _materialize(self):
+        if not self._full:
+            self._full = True
+            done = dict(dict.items(self))
+            dict.clear(self)
+            for name in self.KINDS:
+                v = done.get(name)
+                dict.__setitem__(self, name, v if v is not None else self._make(name))
+        return self
+
+    def __missing__(self, name):
+        if self._full or name not in self.KINDS:
+            raise KeyError(name)
+        v = self._make(name)
+        dict.__setitem__(self, name, v)
+        return v
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def __contains__(self, name):
+        return name in self.KINDS if not self._full else dict.__contains__(self, name)
+
+    def __iter__(self):
+        return dict.__iter__(self._materialize())
+
+    def __len__(self):
+        return dict.__len__(self._materialize())
+
+    def __eq__(self, other):
+        return dict.__eq__(self._materialize(), other)
+
+    def __ne__(self, other):
+        return dict.__ne__(self._materialize(), other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return dict.__repr__(self._materialize())
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+    def keys(self):
+        return dict.keys(self._materialize())
+
+    def values(self):
+        return dict.values(self._materialize())
+
+    def items(self):
+        return dict.items(self._materialize())
+
+    def copy(self):
+        return dict(self.items())
+
+    def __setitem__(self, name, value):
+        dict.__setitem__(self._materialize(), name, value)
+
+    def __delitem__(self, name):
+        dict.__delitem__(self._materialize(), name)
+
+    def pop(self, *a):
+        return dict.pop(self._materialize(), *a)
+
+    def update(self, *a, **k):
+        dict.update(self._materialize(), *a, **k)
+
+    def setdefault(self, *a):
+        return dict.setdefault(self._materialize(), *a)
 
 
 def _rank_coords(world_size: int, nproc: int, dense: RankGrid, expert: RankGrid) -> list[RankCoords]:

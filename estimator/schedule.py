@@ -7,7 +7,7 @@ get_schedule_table order; backward visits model chunks in reverse).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 from itertools import accumulate
 from operator import add
 

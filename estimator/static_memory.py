@@ -12,7 +12,7 @@ from collections import namedtuple
 from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from operator import add, itemgetter, le
-from dataclasses import dataclass, field
+from estimator._record import dataclass, field
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
