@@ -111,6 +111,8 @@ def _worker(rank: int, world: int, port: int, cases: list, results) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from tracer.harness import model_parallel_kwargs
+
     # The one CUDA call on the build path: LanguageModule moves the tied embedding copy to CUDA before its
     # first-stage/last-stage all-reduce. This process only builds models, so a no-op .cuda() is enough
     # (tracer/megatron_compat.py is the full shim for training).
@@ -119,14 +121,7 @@ def _worker(rank: int, world: int, port: int, cases: list, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for case_id, cfg in cases:
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-                pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-                context_parallel_size=cfg.context_parallel_size,
-                expert_model_parallel_size=cfg.expert_model_parallel_size,
-                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-            )
+            parallel_state.initialize_model_parallel(**model_parallel_kwargs(cfg))
             coords = {"tp": parallel_state.get_tensor_model_parallel_rank(),
                       "pp": parallel_state.get_pipeline_model_parallel_rank(),
                       "ep": parallel_state.get_expert_model_parallel_rank()}

@@ -94,19 +94,23 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def model_parallel_kwargs(cfg) -> dict:
+    """megatron-core's initialize_model_parallel arguments for a TrainingConfig."""
+    return dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+                context_parallel_size=cfg.context_parallel_size,
+                expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
+
+
 def init_parallel(cfg, seed: int) -> None:
     """megatron parallel_state + seeds, as Megatron-LM's initialize_megatron does."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-            context_parallel_size=cfg.context_parallel_size,
-            expert_model_parallel_size=cfg.expert_model_parallel_size,
-            expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
+        ps.initialize_model_parallel(**model_parallel_kwargs(cfg))
     # Megatron-LM's _set_random_seed: offset by pipeline rank so stages differ.
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
