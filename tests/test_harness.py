@@ -94,12 +94,14 @@ def _names(paths):
 
 
 def _replay_peak(trace):
+    """A plain replay by the FORMATS rule: a MALLOC of a pointer still live replaces the old allocation (the core's
+    counter does the same; a free torch made outside the hook, rare under gloo's threads, leaves such a pair)."""
     rec = trace.records
     live, peak, sizes = 0, 0, {}
     for kind, ptr, size in zip(rec["kind"].tolist(), rec["ptr"].tolist(), rec["size"].tolist()):
         if kind == 1:
+            live += size - sizes.get(ptr, 0)
             sizes[ptr] = size
-            live += size
             peak = max(peak, live)
         elif kind == 2 and ptr in sizes:
             live -= sizes.pop(ptr)
