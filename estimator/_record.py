@@ -150,7 +150,12 @@ def asdict(obj) -> dict:
     return _asdict_inner(obj)
 
 
+_ATOMS = (str, int, float, bool, type(None))
+
+
 def _asdict_inner(obj):
+    if isinstance(obj, _ATOMS):  # immutable: deepcopy would return it unchanged (and cost the copy import)
+        return obj
     if hasattr(type(obj), "_record_fields"):
         return {f.name: _asdict_inner(getattr(obj, f.name)) for f in type(obj)._record_fields}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):

@@ -4,13 +4,13 @@ Imports no torch and no megatron. Errors in the input are one line on stderr and
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from estimator._record import dataclass
 
 from estimator import comm as C
 from estimator import formulas as F
+from estimator import jsonload
 from estimator import memory as MEM
 from estimator import model as MODEL
 from estimator import parallel as PAR
@@ -66,7 +66,7 @@ def _preset_flags(name: str) -> list[str]:
     if not os.path.isfile(path):
         raise UsageError(f"unknown preset '{name}'; available: {', '.join(presets())}")
     with open(path) as fh:
-        doc = json.load(fh)
+        doc = jsonload.load(fh)
     return [str(x) for x in doc["args"]]
 
 
@@ -125,7 +125,7 @@ def dumps_indent1(obj) -> str:
     """json.dumps(obj, indent=1), byte for byte, for the JSON types the report holds (dict, list, tuple, str, int,
     float, bool, None). json's encoder is pure Python once an indent is asked for; this one is a little faster.
     Any other type goes to json.dumps for that value (so an unsupported one still raises TypeError there)."""
-    from json.encoder import encode_basestring_ascii as enc
+    enc = jsonload.encode_string
     out: list = []
     emit = out.append
     float_repr = float.__repr__
@@ -194,6 +194,7 @@ def dumps_indent1(obj) -> str:
                 walk(v, level + 1)
             emit("\n" + " " * level + "}")
         else:
+            import json
             text = json.dumps(o, indent=1)  # raises TypeError as json.dump would
             emit(text.replace("\n", "\n" + " " * level))
 

@@ -7,8 +7,9 @@ float products once per (set, config) so thousands of estimates per second stay 
 """
 from __future__ import annotations
 
-import json
 import os
+
+from . import jsonload
 from estimator._record import dataclass, field
 
 FORMAT = "megatron-memtrace-formulas"
@@ -284,8 +285,8 @@ def load(name_or_path: str = DEFAULT_SET) -> FormulaSet:
     if key not in _LOADED:
         try:
             with open(path, encoding="utf-8") as fh:
-                doc = json.load(fh)
-        except json.JSONDecodeError as exc:
+                doc = jsonload.load(fh)
+        except ValueError as exc:  # json.JSONDecodeError, or text that is not UTF-8
             raise FormulaError(f"{path}: not valid JSON: {exc}") from None
         except OSError as exc:
             raise FormulaError(f"{path}: cannot read: {exc}") from None

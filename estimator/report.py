@@ -4,7 +4,6 @@ Text uses explicit binary units (MiB, GiB = 2^30 bytes); JSON carries plain inte
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 
 JSON_FORMAT = "megatron-memtrace-estimate"
 JSON_VERSION = 1
@@ -53,7 +52,7 @@ def _op_rows(report, stage: int) -> list[dict]:
     """Model tree of one stage: one row per op kind (layers folded), with params and activation bytes."""
     cfg = report.cfg
     e_param = 2 if (cfg.bf16 or cfg.fp16) else 4
-    rows: "OrderedDict[str, dict]" = OrderedDict()
+    rows: dict[str, dict] = {}
     for op in report.rank_params[stage].ops:
         row = rows.setdefault(op.op, {"op": op.op, "shapes": [list(s) for s in op.shapes], "instances": 0,
                                       "layers": 0, "params": 0, "param_bytes": 0, "expert": op.is_expert})
@@ -194,8 +193,7 @@ def _text_comm(report) -> list[str]:
 
 def _merge_equal_rows(colls: list) -> list:
     """DP buckets of equal size on the same ranks read better as one row with their calls summed."""
-    import copy
-    merged: "OrderedDict[tuple, object]" = OrderedDict()
+    merged: dict[tuple, object] = {}
     for c in colls:
         key = (c.dim, c.op, c.what, c.phase, c.group, tuple(c.shape), c.dtype, tuple(c.ranks), c.direction)
         if key in merged:
@@ -203,7 +201,8 @@ def _merge_equal_rows(colls: list) -> list:
             m.per_iteration += c.per_iteration
             m.per_microbatch += c.per_microbatch
         else:
-            merged[key] = copy.copy(c)
+            m = merged[key] = object.__new__(type(c))  # a shallow copy, without importing copy
+            m.__dict__.update(c.__dict__)
     return list(merged.values())
 
 

@@ -8,7 +8,6 @@ themselves move into a (padded) param buffer that the all-gather writes into.
 from __future__ import annotations
 
 import math
-from collections import namedtuple
 from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from operator import add, itemgetter, le
@@ -17,13 +16,29 @@ from estimator._record import dataclass, field
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-# One parameter as DDP sees it (named_parameters order): numel; expert (allreduce=False in megatron-core: goes to
-# the expert-DP buffer); shared_embedding (tied embedding/output weight with PP > 1: own bucket under dist-opt).
-# collections.namedtuple, which typing.NamedTuple builds on, without importing typing at start-up.
-# ndim: the tensor's rank; megatron-core puts 1-D params (biases, norm weights) in the no-weight-decay group, which
-# decides the optimizer's parameter order (step_transient_bytes).
-ParamInfo = namedtuple("ParamInfo", ["numel", "expert", "shared_embedding", "ndim"], defaults=(False, False, 2))
-ParamInfo.__doc__ = "One parameter as DDP sees it (named_parameters order)."
+class ParamInfo(tuple):
+    """One parameter as DDP sees it (named_parameters order): numel; expert (allreduce=False in megatron-core: goes
+    to the expert-DP buffer); shared_embedding (tied embedding/output weight with PP > 1: own bucket under
+    dist-opt); ndim, the tensor's rank (megatron-core puts 1-D params, biases and norm weights, in the
+    no-weight-decay group, which decides the optimizer's parameter order: step_transient_bytes).
+
+    What collections.namedtuple would build, written out: importing collections costs the CLI ~2 ms at start-up."""
+    __slots__ = ()
+    _fields = ("numel", "expert", "shared_embedding", "ndim")
+
+    def __new__(cls, numel, expert=False, shared_embedding=False, ndim=2):
+        return tuple.__new__(cls, (numel, expert, shared_embedding, ndim))
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+    def __repr__(self):
+        return "ParamInfo(numel=%r, expert=%r, shared_embedding=%r, ndim=%r)" % tuple(self)
+
+    numel = property(itemgetter(0), doc="elements")
+    expert = property(itemgetter(1), doc="in the expert-DP buffer")
+    shared_embedding = property(itemgetter(2), doc="tied embedding/output weight with PP > 1")
+    ndim = property(itemgetter(3), doc="tensor rank")
 
 
 @dataclass
