@@ -74,6 +74,7 @@ class TrainingConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    ddp_bucket_size: Optional[int] = None  # elements per DDP bucket with --overlap-grad-reduce (None: megatron's default)
     overlap_param_gather: bool = False
     # --- batch ---
     micro_batch_size: Optional[int] = None
@@ -208,6 +209,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--sequence-parallel": ("sequence_parallel", "true"),
     "--use-distributed-optimizer": ("use_distributed_optimizer", "true"),
     "--overlap-grad-reduce": ("overlap_grad_reduce", "true"),
+    "--ddp-bucket-size": ("ddp_bucket_size", "int"),
     "--overlap-param-gather": ("overlap_param_gather", "true"),
     "--micro-batch-size": ("micro_batch_size", "int"),
     "--global-batch-size": ("global_batch_size", "int"),

@@ -61,13 +61,19 @@ def presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
 
 
+_PRESET_FLAGS: dict = {}  # name -> flags: presets are package data, read once per process
+
+
 def _preset_flags(name: str) -> list[str]:
-    path = os.path.join(PRESET_DIR, name + ".json")
-    if not os.path.isfile(path):
-        raise UsageError(f"unknown preset '{name}'; available: {', '.join(presets())}")
-    with open(path) as fh:
-        doc = jsonload.load(fh)
-    return [str(x) for x in doc["args"]]
+    flags = _PRESET_FLAGS.get(name)
+    if flags is None:
+        path = os.path.join(PRESET_DIR, name + ".json")
+        if not os.path.isfile(path):
+            raise UsageError(f"unknown preset '{name}'; available: {', '.join(presets())}")
+        with open(path) as fh:
+            doc = jsonload.load(fh)
+        flags = _PRESET_FLAGS[name] = [str(x) for x in doc["args"]]
+    return list(flags)
 
 
 def split_own_options(argv: list[str]) -> tuple[list[str], dict]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
-from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, precision
+from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, chunk_buffer, ddp_bucket_size, precision
 
 
 def _g(cfg: Any, name: str, default: Any = None) -> Any:
@@ -169,10 +169,13 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     e, eg = DTYPE_BYTES[pdt], DTYPE_BYTES[gdt]
     tied = not _g(cfg, "untie_embeddings_and_output_weights", False)
     layers = layers_per_stage(cfg)
-    stage_ranks = {p: lay.stage_ranks(p) for p in range(pp)}
+    pp_groups = lay.groups["pp"]
+    stage_ranks = [sorted([g[p] for g in pp_groups]) for p in range(pp)]  # == lay.stage_ranks(p)
+    stage_of = {r: p for p in range(pp) for r in stage_ranks[p]}
     rows: list = []
     notes: list = []
-    members: dict = {}  # (group kind, stages) -> (issuing ranks, groups that hold one of them)
+    members: dict = {}  # (group kind, stages) -> (issuing ranks, groups that hold one of them, group size)
+    stages_hit: dict = {}  # group kind -> (per group the set of stages it touches, per stage its groups)
 
     def add(dim, op, what, group, shape, dtype, per_mb, stages, phase, per_iter=None, modelled=False, direction=""):
         nbytes = DTYPE_BYTES.get(dtype, 4)
@@ -181,9 +184,24 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         key = (group, tuple(stages))
         hit = members.get(key)
         if hit is None:
-            ranks = sorted(r for p in stages for r in stage_ranks[p])
-            issuing = set(ranks)
-            groups = [g for g in lay.groups[group] if not issuing.isdisjoint(g)]
+            if len(stages) == 1:
+                ranks = stage_ranks[stages[0]]
+            else:
+                ranks = sorted([r for p in stages for r in stage_ranks[p]])
+            all_groups = lay.groups[group]
+            hits = stages_hit.get(group)
+            if hits is None:  # one pass over the groups per kind, instead of one per (kind, stages)
+                touched = [{stage_of[r] for r in g} for g in all_groups]
+                by_stage: list = [[] for _ in range(pp)]
+                for g, h in zip(all_groups, touched):
+                    for p in h:
+                        by_stage[p].append(g)  # group order kept within each stage
+                hits = stages_hit[group] = (touched, by_stage)
+            if len(stages) == 1:
+                groups = hits[1][stages[0]]
+            else:
+                wanted = set(stages)
+                groups = [g for g, h in zip(all_groups, hits[0]) if not wanted.isdisjoint(h)]
             hit = members[key] = (ranks, groups, len(groups[0]) if groups else 1)
         ranks, groups, size = hit
         if not ranks or per_mb == 0 and not per_iter:
@@ -317,23 +335,16 @@ def _moe_layers_per_stage(cfg: Any, layers: Sequence[int]) -> list:
 def _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt) -> None:
     """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers."""
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    overlap = bool(_g(cfg, "overlap_grad_reduce", False))
-    memo: dict = {}  # equal chunks (same parameter list, same bucketing) have equal buckets
+    dense_dp = lay.dp * lay.cp
     for p, chunks in chunks_by_stage.items():
         for ci, chunk in enumerate(chunks):
-            content = tuple(chunk)
-            for expert, group, size in ((False, "dp-cp", lay.dp * lay.cp), (True, "expert-dp", lay.edp)):
-                # bucket_size: max(40M, 1M x dp) when overlapping, only on the first stage's first chunk.
-                bucket = max(40_000_000, 1_000_000 * lay.dp) if overlap and p == 0 and ci == 0 else None
-                key = (content, expert, size, bucket)
-                buckets = memo.get(key)
-                if buckets is None:
-                    params = [q for q in chunk if bool(q.expert) == expert]
-                    buckets = memo[key] = buffer_layout(
-                        [q.numel for q in params], [q.shared_embedding for q in params], size, dist_opt,
-                        bucket).buckets if params else ()
+            bucket = ddp_bucket_size(cfg) if p == 0 and ci == 0 else None  # the buffers static memory sizes
+            for expert, group, size in ((False, "dp-cp", dense_dp), (True, "expert-dp", lay.edp)):
+                _, layout = chunk_buffer(chunk, expert, size, dist_opt, bucket)
+                if layout is None:
+                    continue
                 kind = "expert " if expert else ""
-                for (b0, b1) in buckets:
+                for (b0, b1) in layout.buckets:
                     if dist_opt:
                         add("dp", "reduce-scatter", f"{kind}grad bucket (chunk {ci})", group, (b1 - b0,), gdt, 0, [p],
                             "step", per_iter=1)

@@ -49,38 +49,50 @@ def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
     return params
 
 
+class Chunk(list):
+    """One model chunk's parameters (ParamInfo, named_parameters order). `key` names its content: chunks of one config
+    with equal keys (same layer kinds, same place: first/last) hold equal lists, so memos can skip hashing them."""
+    __slots__ = ("key", "cache")  # cache: derived data (grad-buffer layouts), filled by static_memory.chunk_buffer
+
+
 def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -> List[List[ParamInfo]]:
     """The rank's model chunks, each its parameters in named_parameters order (== _param_infos of
     model.rank_params(cfg, pp_rank, vp).ops). A layer's parameters depend only on whether it is a MoE layer, so
-    each kind is expanded once and repeated."""
+    each kind is expanded once and repeated; chunks with equal keys are one shared (read-only) Chunk."""
     from . import model as M  # owned by a colleague: rank_params(cfg, pp_rank, vp_stage) -> RankParams(.ops)
     tied = not getattr(cfg, "untie_embeddings_and_output_weights", False)
     pp = cfg.pipeline_model_parallel_size
-    layer_table, pattern, templates = _tables or _param_tables(cfg)
+    layer_table, pattern, templates, by_key = _tables or _param_tables(cfg)
     chunks = []
     for vp in range(vpp):
         vp_stage = vp if vpp > 1 else None
         first, last = M.has_embedding(cfg, pp_rank, vp_stage), M.has_output(cfg, pp_rank, vp_stage)
-        params = _param_infos(M.head_ops(cfg, first), tied, pp)
-        for layer in layer_table[(pp_rank, vp)]:
-            kind = pattern[layer]
-            t = templates.get(kind)
-            if t is None:
-                t = templates[kind] = _param_infos(M.layer_ops(cfg, layer), tied, pp)
-            params += t
-        params += _param_infos(M.tail_ops(cfg, first, last), tied, pp)
+        kinds = tuple([pattern[layer] for layer in layer_table[(pp_rank, vp)]])
+        key = ("chunk", kinds, first, last)
+        params = by_key.get(key)
+        if params is None:
+            params = Chunk(_param_infos(M.head_ops(cfg, first), tied, pp))
+            for i, kind in enumerate(kinds):
+                t = templates.get(kind)
+                if t is None:
+                    t = templates[kind] = _param_infos(M.layer_ops(cfg, layer_table[(pp_rank, vp)][i]), tied, pp)
+                params += t
+            params += _param_infos(M.tail_ops(cfg, first, last), tied, pp)
+            params.key, params.cache = key, {}
+            by_key[key] = params
         chunks.append(params)
     return chunks
 
 
 def _param_tables(cfg) -> tuple:
-    """(chunk -> layers table, MoE pattern, per-kind parameter templates (filled on use)) for param_chunks."""
+    """(chunk -> layers table, MoE pattern, per-kind parameter templates, chunks by key (both filled on use))."""
     from . import model as M
-    return M.chunk_layer_table(cfg), cfg.moe_layer_pattern(), {}
+    return M.chunk_layer_table(cfg), cfg.moe_layer_pattern(), {}, {}
 
 
 def all_param_chunks(cfg) -> Dict[int, List[List[ParamInfo]]]:
-    """param_chunks for every pipeline rank, sharing one layer table and one template per layer kind."""
+    """param_chunks for every pipeline rank, sharing one layer table, one template per layer kind and one Chunk
+    per distinct chunk."""
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     tables = _param_tables(cfg)
     return {r: param_chunks(cfg, r, vpp, tables) for r in range(cfg.pipeline_model_parallel_size)}
@@ -134,7 +146,11 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                     acc["fwd_peak"] = max(acc["fwd_peak"], d["fwd_peak"]); acc["bwd_peak"] = max(acc["bwd_peak"], d["bwd_peak"])
             memo[stage_key] = per_op
         per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
-        st = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
+        # Stage 0 alone may bucket its first chunk; otherwise equal chunks give equal static memory.
+        st_key = ("stage_static", tuple([getattr(c, "key", None) or id(c) for c in chunks_by_stage[r]]), r == 0)
+        st = memo.get(st_key)
+        if st is None:
+            st = memo[st_key] = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
         # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
         base = st.total_bytes + (attn_buffer if any(layer_table[(r, vp)] for vp in range(vpp)) else 0)
         if timeline:

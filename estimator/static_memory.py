@@ -47,6 +47,9 @@ class BufferLayout:
     numel_unpadded: int
     buckets: List[Tuple[int, int]]  # [start, end) per bucket
     param_ranges: List[Tuple[int, int]]  # [start, end) per param, in the given (forward) order
+    # One-bucket fast path only: (starts, ends) in buffer order (params reversed), ascending and disjoint, so a
+    # shard's elements are two bisections away (shard_param_elements).
+    ascending: Optional[Tuple[List[int], List[int]]] = field(default=None, repr=False, compare=False)
 
 
 def _pad(n: int, m: int) -> int:
@@ -61,14 +64,19 @@ def buffer_layout(numels: Sequence[int], shared: Sequence[bool], dp: int, dist_o
         # One bucket and nothing that closes it early: starts are running sums (of 64-padded sizes under the
         # distributed optimizer, every start being a multiple of 64 already), walked in reverse.
         rev = numels[::-1]
-        sizes = [-(-n // 64) * 64 for n in rev] if dist_opt else rev  # _pad(n, 64)
+        if dist_opt:  # _pad(n, 64) per param; a chunk repeats a few distinct sizes, so pad each size once
+            padded = {n: -(-n // 64) * 64 for n in set(rev)}
+            sizes = list(map(padded.__getitem__, rev))
+        else:
+            sizes = rev
         starts = [0, *accumulate(sizes)]
         starts.pop()
-        ranges = list(zip(starts, map(add, starts, rev)))
+        ends = list(map(add, starts, rev))
+        ranges = list(zip(starts, ends))
         ranges.reverse()
-        end = starts[-1] + rev[-1]
+        end = ends[-1]
         return BufferLayout(_pad(end, divisor) if dist_opt else end, end, [(0, _pad(end, divisor) if dist_opt else end)],
-                            ranges)
+                            ranges, (starts, ends))
     pad_end = (lambda i: _pad(i, divisor)) if dist_opt else (lambda i: i)
     ranges: List[Tuple[int, int]] = [(0, 0)] * len(numels)
     buckets: List[Tuple[int, int]] = []
@@ -104,6 +112,31 @@ def buffer_layout(numels: Sequence[int], shared: Sequence[bool], dp: int, dist_o
     return BufferLayout(total, unpadded, buckets, ranges)
 
 
+def chunk_buffer(chunk: Sequence[ParamInfo], expert: bool, dp: int, dist_opt: bool,
+                 bucket_size: Optional[int]) -> Tuple[List[int], Optional[BufferLayout]]:
+    """(numels, BufferLayout) of one chunk's dense (expert=False) or expert grad buffer; ([], None) when the chunk
+    has no such params. Cached on a memory.Chunk, so static memory and the DP collectives lay it out once."""
+    cache = getattr(chunk, "cache", None)
+    key = (expert, dp, dist_opt, bucket_size)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    if set(map(type, chunk)) != {ParamInfo}:
+        chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
+    flags = list(map(itemgetter(1), chunk))
+    if flags.count(False) == len(flags):  # every p.expert == False
+        group = [] if expert else chunk
+    else:
+        group = [p for p in chunk if bool(p.expert) == expert]
+    numels = list(map(itemgetter(0), group))
+    out = (numels, buffer_layout(numels, list(map(itemgetter(2), group)), dp, dist_opt, bucket_size)
+           if group else None)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
 def shard_param_elements(layout: BufferLayout, dp: int, dp_rank: int) -> int:
     """Real parameter elements in DP rank `dp_rank`'s shard (what the distributed optimizer keeps states for)."""
     if len(layout.buckets) == 1 and layout.param_ranges:
@@ -111,11 +144,16 @@ def shard_param_elements(layout: BufferLayout, dp: int, dp_rank: int) -> int:
         (b0, b1), = layout.buckets
         size = (b1 - b0) // dp
         lo, hi = b0 + dp_rank * size, b0 + (dp_rank + 1) * size
-        asc = layout.param_ranges[::-1]
-        starts = list(map(itemgetter(0), asc))
-        ends = list(map(itemgetter(1), asc))
-        if starts[0] >= b0 and ends[-1] <= b1 and all(map(le, starts, ends)) and \
-                all(map(le, ends[:-1], starts[1:])):
+        if layout.ascending is not None:  # built that way by buffer_layout's fast path
+            starts, ends = layout.ascending
+            ok = True
+        else:
+            asc = layout.param_ranges[::-1]
+            starts = list(map(itemgetter(0), asc))
+            ends = list(map(itemgetter(1), asc))
+            ok = starts[0] >= b0 and ends[-1] <= b1 and all(map(le, starts, ends)) and \
+                all(map(le, ends[:-1], starts[1:]))
+        if ok:
             first = bisect_right(ends, lo)       # first range with p1 > lo
             last = bisect_left(starts, hi) - 1   # last range with p0 < hi
             if first > last:
@@ -188,9 +226,7 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     cp = _g(cfg, "context_parallel_size", 1)
     dp_dense = _g(cfg, "data_parallel_size", 1) * cp          # DDP buffers use the dp x cp group
     dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
-    bucket = None
-    if _g(cfg, "overlap_grad_reduce", False):
-        bucket = _g(cfg, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp_dense)
+    bucket = ddp_bucket_size(cfg)
     opt_states = 8 if _g(cfg, "optimizer", "adam") == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
 
     params = expert = weights = grads = gnumel = padding = state_elems = 0
@@ -200,8 +236,10 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
         bsize = bucket if (pp_rank == 0 and ci == 0) else None
         key = None
         if _memo is not None:
-            chunk = chunk if isinstance(chunk, tuple) else tuple(chunk)
-            key = ("static", chunk, bsize, dp_dense, dp_expert, dist_opt, dp_rank)
+            content = getattr(chunk, "key", None)  # memory.Chunk: names its content without hashing it
+            if content is None:
+                content = chunk = chunk if isinstance(chunk, tuple) else tuple(chunk)
+            key = ("static", content, bsize, dp_dense, dp_expert, dist_opt, dp_rank)
             hit = _memo.get(key)
             if hit is not None:
                 for is_exp, n, big, numel, unpadded, shard in hit:
@@ -215,24 +253,15 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
                     state_elems += shard
                 continue
         parts = []
-        if set(map(type, chunk)) != {ParamInfo}:
-            chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
-        flags = list(map(itemgetter(1), chunk))
-        all_dense = flags.count(False) == len(flags)  # every p.expert == False
         for is_exp, dp in ((False, dp_dense), (True, dp_expert)):
-            if all_dense:
-                group = chunk if not is_exp else []
-            else:
-                group = [p for p in chunk if p.expert == is_exp]
-            if not group:
+            numels, lay = chunk_buffer(chunk, is_exp, dp, dist_opt, bsize)
+            if not numels:
                 continue
-            numels = list(map(itemgetter(0), group))
             n = sum(numels)
             params += n
             expert += n if is_exp else 0
             big = max(numels)
             largest = max(largest, big)
-            lay = buffer_layout(numels, list(map(itemgetter(2), group)), dp, dist_opt, bsize)
             gnumel += lay.numel
             padding += lay.numel - lay.numel_unpadded
             grads += lay.numel * gb
@@ -259,6 +288,15 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
         transient = 4 * -(-largest // (dp_dense if dist_opt else 1))
     return StaticMemory(params, expert, weights, grads, master + grad_copy + states, detail, gnumel, padding,
                         transient)
+
+
+def ddp_bucket_size(cfg: Any) -> Optional[int]:
+    """Elements per DDP bucket (stage 0's first chunk only; None: one bucket). megatron-core 0.16.1's
+    DistributedDataParallel: --ddp-bucket-size, else max(40M, 1M x the data-parallel size without CP); no buckets
+    unless --overlap-grad-reduce."""
+    if not _g(cfg, "overlap_grad_reduce", False):
+        return None
+    return _g(cfg, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * _g(cfg, "data_parallel_size", 1))
 
 
 def local_spec(cfg: Any) -> bool:
