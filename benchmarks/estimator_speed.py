@@ -57,6 +57,14 @@ def median_wall(cmd, runs):
     return statistics.median(times)
 
 
+def _rate(configs, seconds):
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        build_report(configs[n % len(configs)])
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7, help="process launches per measurement (median taken)")
@@ -70,13 +78,12 @@ def main():
     print(f"ratio CLI / bare python   {cli / bare:8.2f}   (target < 3)")
 
     configs = [EXAMPLE_ARGS] + MIXES
-    build_report(EXAMPLE_ARGS)  # the formula-set file is read once per process, as in any long-running caller
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < opts.seconds:
-        build_report(configs[n % len(configs)])
-        n += 1
-    rate = n / (time.perf_counter() - t0)
+    for c in configs:  # the formula-set file is read once per process, as in any long-running caller
+        build_report(c)
+    rate = _rate(configs, opts.seconds)
     print(f"full estimates per second {rate:8.0f}   (target >= 1000; {len(configs)} distinct configs in turn)")
+    print(f"  the example config alone {_rate([EXAMPLE_ARGS], opts.seconds / 2):7.0f}   "
+          "(Llama-2 7B, 16 GPUs, TP 2, PP 2; for scale, not the target)")
     imported = [m for m in ("torch", "megatron") if m in sys.modules]
     print(f"torch/megatron imported   {'yes: ' + ', '.join(imported) if imported else 'no'}")
 
