@@ -33,11 +33,31 @@ class Unit:
     ops: List[Tuple[str, float, float, float]] = field(default_factory=list)  # (op, saved, fwd, bwd) per op
 
 
+HELD_OP = "backward_held"
+
+
+def _determined(fset, fo, quantity: str) -> bool:
+    """Whether the set's own formula behind `fo` gives `quantity` (not null, so not taken from a fallback)."""
+    key = ("determined", fo.op, fo.when, quantity)
+    hit = fset._cache.get(key)
+    if hit is None:
+        own = next((x for x in fset.formulas if x.op == fo.op and x.when == fo.when), None)
+        hit = fset._cache[key] = own is not None and getattr(own, quantity) is not None
+    return hit
+
+
 def _op_rows(fset, ops, sw, env):
     rows = []
     for op in ops:
         fo = F.select(fset, op, sw)
-        rows.append((op, *(fo.evaluate(env) if fo else (0.0, 0.0, 0.0))))
+        if fo is None:
+            rows.append((op, 0.0, 0.0, 0.0))
+            continue
+        s, f, b = fo.evaluate(env)
+        for pf in F.point_formulas(fset, op, fo.when):
+            _, pf_f, pf_b = pf.evaluate(env)
+            f, b = max(f, pf_f), max(b, pf_b)
+        rows.append((op, s, f, b))
     return rows
 
 
@@ -66,6 +86,12 @@ class LayerCache:
         self.folds: Dict[int, Any] = {}
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st  # one sequence-sharded hidden state: pp recv input, checkpoint input
+        # Layer backward peaks measured per point (FORMATS 4) exclude what the head's backward leaves live through
+        # the decoder (the hidden-state gradient, a tied embedding's weight gradient, loss scalars): the set's
+        # `backward_held`, None where it does not determine it.
+        fo = F.select(fset, HELD_OP, self.sw)
+        self.held = fo.evaluate(self.env)[2] if fo is not None and _determined(fset, fo, "bwd_peak") else None
+        self.bwd_points: Dict[Tuple[bool, str], bool] = {}
 
     def layer_rows(self, moe: bool, recompute: str):
         key = (moe, recompute)
@@ -73,7 +99,23 @@ class LayerCache:
             sw = dict(self.sw, moe=moe, recompute=recompute)
             ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
             self._cache[key] = _op_rows(self.fset, ops, sw, self.env)
+            fo = F.select(self.fset, LAYER_OP, sw)
+            self.bwd_points[key] = fo is not None and any(
+                pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))
         return self._cache[key]
+
+    def held_bwd(self, kinds, first: bool, last: bool) -> Tuple[float, float]:
+        """(bytes to add to a unit's backward for what the backward holds from before it, and for its output
+        when the stage sent and pseudo-freed it) for a unit of layers of these (moe, recompute) kinds: zero
+        unless every layer's backward peak comes from per-point formulas (measured without them)."""
+        if not kinds or not all(self.bwd_points.get(k, False) for k in kinds):
+            return 0.0, 0.0
+        # The measured value (the fit grids: one stage, tied embeddings) where the chunk holds both the loss
+        # head and the embedding; elsewhere only the hidden-state gradient coming in (from the loss head or the
+        # next stage), as no traced run separates it from the tied embedding's gradient.
+        tied = not _g(self.cfg, "untie_embeddings_and_output_weights", False)
+        held = self.held if (first and last and tied and self.held is not None) else self.hidden
+        return held, self.hidden
 
     def model_rows(self, ops):
         key = (None, ops)
@@ -110,6 +152,7 @@ def chunk_units(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last:
         rows = cache.model_rows(FIRST_OPS)
         s, f, b = _fold(rows)
         units.append(Unit("embedding", s, s, f, b, rows))
+    sent = 0.0
     for lo, hi, ckpt in recomputed_groups(cache.cfg, len(moe_flags)):
         if hi - lo == 1:
             rows = cache.layer_rows(moe_flags[lo], "none" if ckpt else sel)  # shared list: fold once per kind
@@ -119,19 +162,28 @@ def chunk_units(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last:
         if key not in cache.folds:
             cache.folds[key] = (_fold(rows), rows)
         s, f, b = cache.folds[key][0]
+        held, sent = cache.held_bwd([(moe_flags[i], "none" if ckpt else sel) for i in range(lo, hi)], first, last)
         if ckpt:
             # Forward runs without saving; backward re-runs it: its saved bytes come back on top of the input.
-            units.append(Unit(f"layers[{lo}:{hi}]*", cache.hidden, s + cache.hidden, max(f, cache.hidden), b, rows))
+            units.append(Unit(f"layers[{lo}:{hi}]*", cache.hidden, s + cache.hidden, max(f, cache.hidden),
+                              b + held, rows))
         else:
-            units.append(Unit(f"layers[{lo}]", s, s, f, b, rows))
+            units.append(Unit(f"layers[{lo}]", s, s, f, b + held, rows))
     if not last and units and units[-1].name.startswith("layers"):
         # The stage output is sent and pseudo-freed (deallocate_pipeline_outputs); nothing on this rank saves it.
+        # A per-point backward peak is measured above the level with the layer's output counted (its consumer's
+        # backward frees it first, so it is counted as freed there): the bytes taken off `full` are added back.
         u = units[-1]
-        units[-1] = Unit(u.name, u.kept - cache.hidden, u.full - cache.hidden, u.fwd, u.bwd, u.ops)
+        units[-1] = Unit(u.name, u.kept - cache.hidden, u.full - cache.hidden, u.fwd, u.bwd + sent, u.ops)
     if last:
         rows = cache.model_rows(LAST_OPS)
         s, f, b = _fold(rows)
         units.append(Unit("head", s, s, f, b, rows))
+    if recv_input and (_g(cache.cfg, "num_microbatches", 1) or 1) > 1:
+        # The gradient of the chunk's input that the previous microbatch's backward sent to the previous stage
+        # stays allocated until that send completes, which megatron-core waits for at the next p2p exchange: it
+        # is live through this backward (a pipeline send buffer; every backward but a rank's first has one).
+        units = [Unit(u.name, u.kept, u.full, u.fwd, u.bwd + cache.hidden, u.ops) for u in units]
     return units
 
 

@@ -496,4 +496,20 @@ def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] =
     fo = select(fset, op, sw)
     if fo is None:
         return (0.0, 0.0, 0.0)
-    return fo.evaluate(env if env is not None else variables(cfg))
+    env = env if env is not None else variables(cfg)
+    saved, fwd, bwd = fo.evaluate(env)
+    for pf in point_formulas(fset, op, fo.when):
+        _, pf_fwd, pf_bwd = pf.evaluate(env)
+        fwd, bwd = max(fwd, pf_fwd), max(bwd, pf_bwd)
+    return (saved, fwd, bwd)
+
+
+def point_formulas(fset: FormulaSet, op: str, when: Tuple[Tuple[str, Any], ...]) -> Tuple[Formula, ...]:
+    """The point formulas `<op>#<k>` of `op` fitted with the formula whose `when` is `when` (FORMATS 4): the op's
+    transient is the maximum over them and its own formula's."""
+    key = ("points", op, when)
+    hit = fset._cache.get(key)
+    if hit is None:
+        prefix = op + "#"
+        hit = fset._cache[key] = tuple(fo for fo in fset.formulas if fo.op.startswith(prefix) and fo.when == when)
+    return hit

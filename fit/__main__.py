@@ -12,7 +12,7 @@ import time
 
 from .dataset import DatasetError, load
 from .formula_set import build, write
-from .group import fit_all
+from .group import PointsFit, fit_all
 from .solve import format_terms
 
 
@@ -30,7 +30,8 @@ def print_table(formulas, out=None, verbose_when: bool = False) -> None:
                 loo = "-" if fit.loo_max_rel_err is None else f"{fit.loo_max_rel_err:.1e}"
                 loo += f" ({fit.loo_undetermined}u)" if fit.loo_undetermined else ""
                 kind = "" if fit.exact else "  [bound]" if any("upper bound" in n for n in fit.notes) else "  [inexact]"
-                rows.append((f.op, m, format_terms(fit.terms) + kind, str(fit.n_points),
+                text = str(fit) if isinstance(fit, PointsFit) else format_terms(fit.terms)
+                rows.append((f.op, m, text + kind, str(fit.n_points),
                              f"{fit.max_rel_residual:.1e}", loo, _fmt_when(f.when) if verbose_when else ""))
             elif m in f.refused:
                 rows.append((f.op, m, "REFUSED: " + f.refused[m], str(len(f.runs)), "", "",

@@ -91,7 +91,9 @@ FAMILIES: dict[str, list[str]] = {
     "layer": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS,
     "embedding": ["s*b*h/st", "s*b*h", "s*b", "s*h", "v*h/t", "1"],
     "output_layer": ["s*b*v/t", "s*b*h/st", "s*b*h", "s*b", "v*h/t", "1"],
-    "loss": ["s*b*v/t", "s*b", "s*b/t", "b", "s", "1"],
+    # The loss op also carries the whole loss head's backward transient (FORMATS 4): the output layer's input
+    # and weight gradients and the final norm's gradients come after the logits' terms.
+    "loss": ["s*b*v/t", "s*b", "s*b/t", "b", "s", "1", "s*b*h/st", "s*b*h", "v*h/t"],
     "router": ["s*b*E/st", "s*b*k/st", "s*b*h/st", "s*b*E", "s*b*k", "s*b/st", "E", "1"],
     "experts": ["s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st", "E/ep", "1"],
     "shared_experts": ["s*b*fs/t", "s*b*h/st", "s*b*h", "1"],
@@ -100,6 +102,9 @@ FAMILIES: dict[str, list[str]] = {
     # current parameter while the previous one's is still referenced: Pstep), or ones of the largest tensor, or of
     # all parameters the rank's optimizer holds (per-stage variables, FORMATS 4).
     "optimizer": ["Pstep", "Pmax", "P", "1"],
+    # What the loss head's backward leaves live through the decoder's backward: the gradient of the hidden state
+    # it passes down, a tied embedding's weight gradient (held until the embedding's backward), loss scalars.
+    "backward_held": ["s*b*h/st", "v*h/t", "s*b", "1"],
 }
 
 
@@ -108,6 +113,8 @@ def family(op: str) -> str:
     last = op.rsplit(".", 1)[-1]
     if op in ("optim", "optimizer") or op.startswith("optim"):
         return "optimizer"
+    if op == "backward_held":
+        return "backward_held"
     if op == "loss" or last == "loss":
         return "loss"
     if last in FAMILIES:

@@ -4,6 +4,8 @@ Per op, rows of every rank, layer, microbatch and iteration >= 1 (iteration 0 is
 buffers, first-step optimizer state) are reduced to their mode when it is a strict majority, else the low median
 (saved bytes) or the maximum (transient peaks), so the sample is always a byte count that really occurred. The optimizer step's transient (peak above the level
 at `optim` entry) becomes the model-level op `optimizer`.
+The layer's transients are also measured per allocation point (layer_points), the loss head's backward too, and
+what a layer's backward holds from before it becomes the model-level op `backward_held` (docs/FORMATS.md 4).
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from estimator.formulas import variables as config_variables
 
 METRICS = ("saved", "fwd_peak", "bwd_peak")
 OPTIMIZER_OP = "optimizer"
+LAYER_OP = "layers.*"
+HELD_OP = "backward_held"
+HEAD_OP = "loss"   # carries the loss head's backward transient (final norm, output layer and loss backward)
 
 
 def estimator_ops() -> tuple:
@@ -82,6 +87,7 @@ class Sample:
     values: dict                     # metric -> int | None (None: the op has no such measurement)
     n_rows: int = 0
     spread: dict = field(default_factory=dict)   # metric -> (min, max) over the reduced rows
+    points: dict = field(default_factory=dict)   # metric -> (per-point values, local-maximum mask): layer op
 
 
 def point_of(config: dict) -> dict:
@@ -145,29 +151,171 @@ def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
 
 
 def samples_of(path: str, cfg: dict, ranks: list, vocab: tuple | None = None) -> list[Sample]:
-    """Samples of one run; with `vocab`, sub-ops are first rolled up into the estimator's ops (per rank)."""
-    rows = [row for r in ranks for row in (rollup(r.op_stats, vocab) if vocab else r.op_stats)]
-    if any((row.get("iteration") or 0) >= 1 for row in rows):
+    """Samples of one run; with `vocab`, sub-ops are first rolled up into the estimator's ops (per rank).
+
+    The layer op's transients are measured per point (layer_points): its fwd_peak / bwd_peak sample is the
+    maximum over its points, and `points` keeps every point so that each can be fitted on its own."""
+    rolled = [rollup(r.op_stats, vocab) if vocab else r.op_stats for r in ranks]
+    rows = [row for rr in rolled for row in rr]
+    later = any((row.get("iteration") or 0) >= 1 for row in rows)
+    if later:
         rows = [row for row in rows if (row.get("iteration") or 0) >= 1]
+    pts = [layer_points(r, rr) for r, rr in zip(ranks, rolled)] if vocab else []
     by_op: dict[str, list[dict]] = {}
     for row in rows:
         by_op.setdefault(row["op"], []).append(row)
     point, sw = point_of(cfg), config_switches(cfg)
     out = []
     for op, oprows in sorted(by_op.items()):
-        vals, spread = {}, {}
+        vals, spread, points = {}, {}, {}
         for m in METRICS:
             xs = [int(r[f"{m}_bytes"]) for r in oprows if r.get(f"{m}_bytes") is not None]
             vals[m] = reduce_values(xs, peak=m != "saved")
             if xs:
                 spread[m] = (min(xs), max(xs))
+        if op == HEAD_OP and pts:
+            vecs = [v for p in pts for key, v in p.get(HEAD_OP, {}).items() if key[2] >= 1 or not later]
+            red = reduce_points([v for v in vecs if len(v[0])])
+            if red is not None:
+                points["bwd_peak"] = red
+                vals["bwd_peak"] = max(red[0])
+                spread["bwd_peak"] = (min(int(v.max()) for v, _ in vecs), max(int(v.max()) for v, _ in vecs))
+        if op == LAYER_OP and pts:
+            for m in ("fwd_peak", "bwd_peak"):
+                vecs = [v[m] for p in pts for key, v in p.items() if key != HEAD_OP and m in v
+                        and (key[2] >= 1 or not later)]
+                red = reduce_points([v for v in vecs if len(v[0])])
+                if red is not None:
+                    points[m] = red
+                    vals[m] = max(red[0])
+                    spread[m] = (min(int(v.max()) for v, _ in vecs), max(int(v.max()) for v, _ in vecs))
+                else:
+                    vals[m] = None   # points that do not align: no sample in the old sense either
         per = "layer" if any(r.get("layer") is not None for r in oprows) else "model"
-        out.append(Sample(path, op, per, point, sw, vals, len(oprows), spread))
+        out.append(Sample(path, op, per, point, sw, vals, len(oprows), spread, points))
+    held = [v["held"] for p in pts for key, v in p.items() if key != HEAD_OP and "held" in v
+            and (key[2] >= 1 or not later)]
+    if held:
+        out.append(Sample(path, HELD_OP, "model", point, sw,
+                          {"saved": 0, "fwd_peak": 0, "bwd_peak": reduce_values(held, peak=True)}, len(held),
+                          {"bwd_peak": (min(held), max(held))}))
     optim = optimizer_transients(ranks)
     if optim:
         out.append(Sample(path, OPTIMIZER_OP, "model", point, sw,
                           {"saved": 0, "fwd_peak": reduce_values(optim, peak=True), "bwd_peak": None}, len(optim),
                           {"fwd_peak": (min(optim), max(optim))}))
+    return out
+
+
+def malloc_levels(kind: np.ndarray, live: np.ndarray, o: int, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """The live level right after each allocation inside records o..c, above the level at o, and whether it is
+    a local maximum (the next allocation or free inside the range is a free, or there is none). A level that
+    is not one is followed directly by another allocation, so it never sets the peak. Allocations, not local
+    maxima, index the points: their number and order do not depend on the shapes, ties between levels do."""
+    from tracer.trace_reader import FREE, MALLOC
+    k = kind[o:c + 1]
+    mem = np.flatnonzero((k == MALLOC) | (k == FREE))
+    is_m = k[mem] == MALLOC
+    levels = live[o + mem[is_m]] - live[o]
+    nxt = np.append(is_m[1:], False)          # the event after each memory event is an allocation
+    return levels.astype(np.int64), ~nxt[is_m]
+
+
+def reduce_points(vecs: list) -> tuple | None:
+    """Per-point reduction (reduce_values, as a peak) of equally long point vectors, and the union of their
+    local-maximum masks; None when they differ in length (the allocation pattern is not the same on every
+    layer / rank, so points cannot be matched)."""
+    if not vecs or len({len(v) for v, _ in vecs}) != 1:
+        return None
+    n = len(vecs[0][0])
+    vals = tuple(reduce_values([int(v[i]) for v, _ in vecs], peak=True) for i in range(n))
+    mask = tuple(bool(any(mk[i] for _, mk in vecs)) for i in range(n))
+    return vals, mask
+
+
+def layer_points(r, rolled: list[dict]) -> dict:
+    """Per (layer, microbatch, iteration) of one rank: the layer's forward and backward transients at each of
+    their points (FORMATS 4, point formulas; malloc_levels), and the bytes held through its backward; under the
+    key HEAD_OP, per (None, microbatch, iteration), the loss head's backward points.
+
+    fwd_peak points: the level after each allocation inside the layer's forward scope, above its entry, minus
+    the saved bytes of its sub-ops (the estimator composes a layer as its sub-ops in order, then the layer op, so
+    the layer op's forward transient is measured above the level with those saved bytes live).
+    bwd_peak points: the level after each allocation inside the layer's `bwdlayer:` scope above its entry, plus
+    what the microbatch's backward allocated before it, is still live at its entry and is freed inside it (e.g. the
+    activations a full recompute re-created just before the scope), minus the layer's own saved bytes already freed
+    before it (its output, whose consumer's backward ran first): the level above the one with every saved byte of
+    the layer and of the ops before it live, which is the baseline the estimator adds it to.
+    held: what the microbatch's backward allocated before the layer and still holds after it (the hidden-state
+    gradient passed down, a tied embedding's weight gradient from the output layer, loss scalars), fitted as the
+    model-level op `backward_held`."""
+    from tracer.parse import K_BWD, K_BWDLAYER, K_FWD, K_ITER, K_MOD, K_RECOMPUTE, _classify_name, inherit, saved_mask
+    sc, a = r.scopes, r.allocs
+    out: dict = {}
+    if len(sc.open) == 0:
+        return out
+    num = lambda row: _classify_name(r.scope_name(int(row)))[1] if row >= 0 else None   # noqa: E731
+    it_row = inherit(sc, sc.kind == K_ITER)
+    mb_row = inherit(sc, (sc.kind == K_FWD) | (sc.kind == K_BWD))
+    fwd_row = inherit(sc, sc.kind == K_FWD)
+    rec_row = inherit(sc, sc.kind == K_RECOMPUTE)
+    sub_saved: dict = {}
+    for row in rolled:
+        if row.get("layer") is not None and row["op"] != LAYER_OP:
+            key = (row["layer"], row["microbatch"], row["iteration"])
+            sub_saved[key] = sub_saved.get(key, 0) + int(row.get("saved_bytes") or 0)
+    names = {}
+    for i in np.flatnonzero((sc.kind == K_MOD) | (sc.kind == K_BWDLAYER)):
+        kind, _, op, layer = _classify_name(r.scope_name(int(i)))
+        if op == LAYER_OP:
+            names[int(i)] = (kind, layer)
+    keep = saved_mask(r)
+    rec_kind = np.ascontiguousarray(r.trace.records["kind"])
+    a_layer = np.full(len(a["idx"]), -1, np.int64)
+    op_rows = a["op_row"]
+    for row in np.unique(op_rows[keep & (op_rows >= 0)]):
+        lay = _classify_name(r.scope_name(int(row)))[3]
+        if lay is not None:
+            a_layer[op_rows == row] = lay
+    a_mb = np.array([-1 if fr < 0 else num(fr) for fr in a["fwd_row"]], np.int64) if len(a["idx"]) else a_layer
+    # The loss head's backward: from the microbatch's backward start to its first layer's backward, above the
+    # level at that start (every saved byte live): the estimator's head unit transient, given to the `loss` op
+    # (the last op of the head, so the estimator composes it above the level with the head's saved bytes live).
+    # Only where every backward runs the head (one pipeline stage, no virtual chunks).
+    cfg = r.header.get("config") or {}
+    if (cfg.get("pipeline_model_parallel_size") or 1) == 1 and any(row["op"] == HEAD_OP for row in rolled):
+        first_layer: dict = {}
+        for i, (kind, _) in names.items():
+            if kind == K_BWDLAYER and mb_row[i] >= 0:
+                first_layer[int(mb_row[i])] = min(first_layer.get(int(mb_row[i]), 1 << 62), int(sc.open[i]))
+        head = out.setdefault(HEAD_OP, {})
+        for b, stop in first_layer.items():
+            o = int(sc.open[b])
+            if stop > o + 1:
+                head[(None, num(b), num(it_row[b]) if it_row[b] >= 0 else -1)] = malloc_levels(rec_kind, r.live, o, stop - 1)
+    for i, (kind, layer) in names.items():
+        o, c = int(sc.open[i]), int(sc.close[i])
+        key = (layer, num(mb_row[i]), num(it_row[i]) if it_row[i] >= 0 else -1)
+        if kind == K_MOD:
+            if fwd_row[i] < 0 or rec_row[i] >= 0:
+                continue
+            sub = sub_saved.get(key, 0)
+            lv, mk = malloc_levels(rec_kind, r.live, o, c)
+            out.setdefault(key, {})["fwd_peak"] = (lv - sub, mk)
+            continue
+        if mb_row[i] < 0:
+            continue
+        start = int(sc.open[mb_row[i]])
+        lo, hi = np.searchsorted(a["idx"], [start, o])
+        live = a["free"][lo:hi] > o
+        consumed = int(a["size"][lo:hi][live & (a["free"][lo:hi] <= c)].sum())
+        held = int(a["size"][lo:hi][live & (a["free"][lo:hi] > c)].sum())
+        freed = (a["free"] >= start) & (a["free"] < o) & keep & (a_layer == layer) & (a_mb == key[1])
+        own = int(a["size"][freed].sum())
+        d = out.setdefault(key, {})
+        lv, mk = malloc_levels(rec_kind, r.live, o, c)
+        d["bwd_peak"] = (lv + consumed - own, mk)
+        d["held"] = held
     return out
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from estimator.formulas import FORMAT, VERSION, from_dict
 
 from .dataset import RunInfo
-from .group import OpFormula
+from .group import OpFormula, PointsFit
 from .solve import format_terms
 
 FITTER_VERSION = 2   # 2: undetermined quantities are null (FORMATS 4), not []
@@ -43,11 +43,26 @@ def formula_json(f: OpFormula) -> dict:
     return out
 
 
+def formulas_json(f: OpFormula) -> list:
+    """The op's formula, then its point formulas (FORMATS 4: `<op>#<k>`, the op's transient being the maximum
+    over them) where a transient was fitted per point: the op's own quantity is then [] (its points carry it)."""
+    out = [formula_json(f)]
+    points = {m: fit.fits for m, fit in f.fits.items() if isinstance(fit, PointsFit)}
+    n = max((len(v) for v in points.values()), default=0)
+    for k in range(n):
+        pf = {"op": f"{f.op}#{k + 1}", "per": f.per, "when": dict(f.when), "saved": []}
+        for m in ("fwd_peak", "bwd_peak"):
+            fits = points.get(m, [])
+            pf[m] = terms_json(fits[k].terms) if k < len(fits) else []
+        out.append(pf)
+    return out
+
+
 def _fit_record(f: OpFormula, metric: str) -> dict:
     rec = {"op": f.op, "when": dict(f.when), "metric": metric, "configs": len(f.runs)}
     if metric in f.fits:
         fit = f.fits[metric]
-        rec.update(formula=format_terms(fit.terms), exact=fit.exact, n_points=fit.n_points,
+        rec.update(formula=str(fit) if isinstance(fit, PointsFit) else format_terms(fit.terms), exact=fit.exact, n_points=fit.n_points,
                    max_abs_residual_bytes=fit.max_abs_residual, max_rel_residual=fit.max_rel_residual,
                    loo_max_rel_err=fit.loo_max_rel_err, loo_undetermined_folds=fit.loo_undetermined)
         if fit.notes:
@@ -82,7 +97,7 @@ def build(name: str, runs: list[RunInfo], formulas: list[OpFormula], description
     doc = {"format": FORMAT, "version": VERSION, "name": name, "kind": "fitted",
            "description": description or f"Fitted from {len(runs)} trace run(s) on "
                                          f"{', '.join(prov['devices'])}.",
-           "provenance": prov, "formulas": [formula_json(f) for f in kept]}
+           "provenance": prov, "formulas": [d for f in kept for d in formulas_json(f)]}
     return doc
 
 

@@ -9,6 +9,7 @@ overfitted (exact byte counts leave no room for a formula that only interpolates
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from . import basis
@@ -76,6 +77,8 @@ class _OpFitter:
             have = [s for s in part if s.values.get(metric) is not None]
             if not have:
                 self.cache[key] = None
+            elif all(s.points.get(metric) for s in have):
+                self.cache[key] = self.fit_points(have, metric, part)
             else:
                 fixed, ties = domain(constant_switches(part))
                 try:
@@ -88,12 +91,39 @@ class _OpFitter:
                     self.cache[key] = str(exc)
         return self.cache[key]
 
+    def fit_points(self, have: list[Sample], metric: str, part: list[Sample]):
+        """A transient measured per point (the layer op's: a maximum over allocation points whose dominant one
+        changes with the shapes): one fit per point, the quantity being their maximum. Every point must be
+        determined (exactly, or by the peak bound); points must align (same count on every config)."""
+        n = {len(s.points[metric][0]) for s in have}
+        if len(n) != 1:
+            return (f"points do not align: {sorted(n)} allocations in the scope on different configs (the "
+                    f"allocation pattern changes within this part)")
+        idx = [k for k in range(n.pop()) if any(s.points[metric][1][k] for s in have)]
+        fixed, ties = domain(constant_switches(part))
+        fits, dropped = [], []
+        for k in idx:
+            try:
+                fit = fit_group([s.point for s in have], [s.points[metric][0][k] for s in have], self.cands,
+                                fixed=fixed, ties=ties, bound=0.0, **{"exhaustive": POINT_EXHAUSTIVE, **self.kw})
+            except FitRefused as exc:
+                if low_point(have, metric, k):
+                    dropped.append(k)
+                    continue
+                return f"point {k + 1}: {exc}"
+            fit.runs_used, fit.pins = sorted({s.run for s in have}), (fixed, ties)
+            fit.point_index = k
+            fits.append(fit)
+        if not fits:
+            return "no point could be fitted"
+        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), dropped=dropped)
+
     def formula(self, part: list[Sample], saved_from: list[Sample] | None = None) -> OpFormula:
         """The part's formula; `saved_from` (a superset) supplies the saved-bytes fit when peaks were split."""
         fits, refused = {}, {}
         for m in METRICS:
             r = self.fit_metric(saved_from if (m == "saved" and saved_from) else part, m)
-            if isinstance(r, Fit):
+            if isinstance(r, (Fit, PointsFit)):
                 fits[m] = r
             elif r is not None:
                 refused[m] = r
@@ -145,6 +175,9 @@ class _OpFitter:
         sequence parallelism gathers): split the part by the switch that determines peaks for the most configs,
         recursively (up to `depth` switches), every piece sharing the part's saved-bytes fit."""
         saved_from = saved_from or part
+        split = self.split_points(part, varying)
+        if split is not None:
+            return [f for p in split for f in self.refine_peaks(p, varying, saved_from, depth)]
         base = self.peaks_covered([part])
         if base == len(part) or depth == 0 or not isinstance(self.fit_metric(saved_from, "saved"), Fit):
             return [self.formula(part, saved_from=saved_from)]
@@ -158,6 +191,9 @@ class _OpFitter:
             if cov > best[0]:
                 best = (cov, sub)
         if best[1] is None:
+            if any(s.points for s in part):
+                # Per-point transients of one allocation pattern: more switches would only shrink the part.
+                return [self.formula(part, saved_from=saved_from)]
             # No single switch helps; a pair might (e.g. dtype and sp): try the first still-varying switch.
             k = next((k for k in varying if k not in const), None)
             if k is None:
@@ -165,11 +201,93 @@ class _OpFitter:
             best = (base, self._split(part, (k,)))
         return [f for p in best[1] for f in self.refine_peaks(p, varying, saved_from, depth - 1)]
 
+    @staticmethod
+    def _pattern(s: Sample) -> int | None:
+        """The backward's allocation count: the layer's backward holds the peaks that matter (a forward point
+        count that still differs within a part leaves only the forward transient undetermined)."""
+        return len(s.points["bwd_peak"][0]) if "bwd_peak" in s.points else None
+
+    def split_points(self, part: list[Sample], varying: list) -> list[list[Sample]] | None:
+        """Per-point transients can only be matched between configs with the same allocation pattern: split a
+        part whose configs differ in it by the switch that leaves the most configs in parts of one pattern
+        (None when the part already has one pattern, or no switch helps)."""
+        def homogeneous(parts):  # configs that share their part's most common pattern
+            return sum(Counter(self._pattern(s) for s in p).most_common(1)[0][1] for p in parts)
+        if not any(s.points for s in part) or homogeneous([part]) == len(part):
+            return None
+        const = constant_switches(part)
+        best = (homogeneous([part]), None)
+        for k in varying:
+            if k in const:
+                continue
+            sub = self._split(part, (k,))
+            cov = homogeneous(sub)
+            if cov > best[0]:
+                best = (cov, sub)
+        return best[1]
+
     def _split(self, samples: list[Sample], keys: tuple) -> list[list[Sample]]:
         parts: dict = {}
         for s in samples:
             parts.setdefault(tuple(repr(s.switches.get(k)) for k in keys), []).append(s)
         return list(parts.values())
+
+
+POINT_EXHAUSTIVE = 4  # every subset of up to 4 terms is tried per point (a point is one allocation pattern)
+LOW_POINT = 0.5   # a point at most this fraction of the op's peak on every traced config never sets the peak
+
+
+def low_point(have: list[Sample], metric: str, k: int) -> bool:
+    """Point k stays at or below LOW_POINT of the op's peak (its largest point) on every config: the peak is
+    set by other points throughout the traced domain, so a point no formula fits exactly is left out (and
+    named in the fit's notes) rather than refusing the whole transient."""
+    return all(s.points[metric][0][k] <= LOW_POINT * max(s.points[metric][0]) for s in have)
+
+
+@dataclass
+class PointsFit:
+    """A transient that is the maximum over per-point fits (FORMATS 4: `<op>#<k>` point formulas)."""
+    fits: list
+    runs_used: list = field(default_factory=list)
+    pins: tuple = ((), ())
+    loo_max_rel_err: float | None = None
+    loo_undetermined: int = 0
+    dropped: list = field(default_factory=list)   # point indices left out (low_point)
+
+    @property
+    def exact(self) -> bool:
+        return all(f.exact for f in self.fits)
+
+    @property
+    def n_points(self) -> int:
+        return max(f.n_points for f in self.fits)
+
+    @property
+    def max_abs_residual(self) -> float:
+        return max(f.max_abs_residual for f in self.fits)
+
+    @property
+    def max_rel_residual(self) -> float:
+        return max(f.max_rel_residual for f in self.fits)
+
+    @property
+    def notes(self) -> list:
+        out = [f"point {f.point_index + 1}: {n}" for f in self.fits for n in f.notes]
+        if self.dropped:
+            out.append(f"{len(self.fits)} point(s) fitted; left out (no determined formula, at most "
+                       f"{LOW_POINT:.0%} of the peak on every traced config): allocation(s) "
+                       + ", ".join(str(k + 1) for k in self.dropped))
+        return out
+
+    @property
+    def terms(self) -> list:
+        return []   # the op's own quantity: 0, its points carry it
+
+    def predict(self, point):
+        return max(f.predict(point) for f in self.fits)
+
+    def __str__(self) -> str:
+        return "max(" + ", ".join(str(f) for f in self.fits) + ")"
 
 
 def fit_op(op: str, samples: list[Sample], loo: bool = True, peak_bound: float = 0.0, **kw) -> list[OpFormula]:
@@ -194,6 +312,29 @@ def _loo_check(fit: Fit, metric: str, samples: list[Sample], cands, peak_bound: 
     """Fill the fit's leave-one-out error; the refusal reason when it shows an overfit, else None."""
     fixed, ties = fit.pins
     have = [s for s in samples if s.run in fit.runs_used and s.values.get(metric) is not None]
+    if isinstance(fit, PointsFit):
+        errs, und, keep = [], 0, []
+        for f in fit.fits:
+            k = f.point_index
+            f.pins = fit.pins
+            leave_one_out(f, [s.point for s in have], [s.points[metric][0][k] for s in have], cands,
+                          fixed=fixed, ties=ties, bound=0.0, **{"exhaustive": POINT_EXHAUSTIVE, **kw})
+            limit = LOO_EXACT_LIMIT
+            if f.loo_max_rel_err is not None and f.loo_max_rel_err > limit:
+                if low_point(have, metric, k):
+                    fit.dropped.append(k)
+                    continue
+                return (f"overfitted: point {k + 1}: {f} fits all {f.n_points} configs but leave-one-out "
+                        f"mispredicts a held-out one by {f.loo_max_rel_err:.1%}; add configs")
+            keep.append(f)
+            if f.loo_max_rel_err is not None:
+                errs.append(f.loo_max_rel_err)
+            und = max(und, f.loo_undetermined)
+        fit.fits = keep
+        if not keep:
+            return "overfitted: no point survives leave-one-out"
+        fit.loo_max_rel_err, fit.loo_undetermined = (max(errs) if errs else None), und
+        return None
     leave_one_out(fit, [s.point for s in have], [s.values[metric] for s in have], cands,
                   fixed=fixed, ties=ties, bound=0.0 if metric == "saved" else peak_bound, **kw)
     limit = LOO_EXACT_LIMIT if fit.exact else max(2 * peak_bound, LOO_EXACT_LIMIT)
@@ -213,4 +354,4 @@ def fit_all(samples: list[Sample], ops: list[str] | None = None, **kw) -> list[O
     return out
 
 
-__all__ = ["OpFormula", "fit_op", "fit_all", "domain", "Fit"]
+__all__ = ["OpFormula", "PointsFit", "fit_op", "fit_all", "domain", "Fit"]

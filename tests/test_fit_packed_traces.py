@@ -90,6 +90,12 @@ def test_every_layer_op_saved_bytes_reproduced_exactly(data):
     assert checked >= 500
 
 
+# Model-level bytes that differ between the ranks of one run with the data: the loss of this vocab-parallel config
+# saves 576 B on one TP rank and 832 B on the other, swapping between iterations (which targets fall in a rank's
+# vocab shard). The set must stay within the traced range there.
+DATA_DEPENDENT = {("sel_sp_kv24_f384_v200", "loss", "saved")}
+
+
 def test_determined_model_level_quantities_reproduced_exactly(data):
     _, samples, fset = data
     checked, misses = 0, []
@@ -101,8 +107,56 @@ def test_determined_model_level_quantities_reproduced_exactly(data):
             if not determined or s.values.get(q) is None:
                 continue
             lo, hi = s.spread.get(q, (s.values[q], s.values[q]))
+            if (os.path.basename(s.run), s.op, q) in DATA_DEPENDENT and lo <= pred <= hi:
+                continue
             if not (pred == s.values[q] == hi):
                 misses.append(f"{os.path.basename(s.run)} {s.op} {q}: set {pred}, trace {lo}..{hi}")
             checked += 1
     assert not misses, "\n".join(misses)
     assert checked > 0
+
+
+def _eval_terms(terms, point):
+    return sum((Fraction(t.coef) * _mono(t.vars, point) for t in terms), Fraction(0))
+
+
+def test_layer_transients_reproduced_exactly_at_every_fitted_point(data):
+    """Where the set fits the layer op's transients per allocation point (FORMATS 4 point formulas), each point's
+    formula equals the traced level at that point, and the op's transient (their maximum) the traced maximum."""
+    _, samples, fset = data
+    checked, misses = 0, []
+    for s in samples:
+        if s.op != "layers.*" or not s.points:
+            continue
+        fset._cache.clear()
+        fo = F.select(fset, "layers.*", s.switches)
+        points = F.point_formulas(fset, "layers.*", fo.when) if fo is not None else ()
+        for q in ("fwd_peak", "bwd_peak"):
+            fitted = [pf for pf in points if getattr(pf, q)]
+            if not fitted or q not in s.points:
+                continue
+            pred = [_eval_terms(getattr(pf, q), s.point) for pf in fitted]
+            traced = set(s.points[q][0])
+            wrong = [p for p in pred if p not in traced]
+            if wrong or max(pred) != max(s.points[q][0]):
+                misses.append(f"{os.path.basename(s.run)} {q}: set max {max(pred)}, trace max {max(s.points[q][0])}, "
+                              f"{len(wrong)} point(s) not traced")
+            checked += 1
+    assert not misses, "\n".join(misses)
+    assert checked >= 20
+
+
+def test_backward_held_reproduced_exactly(data):
+    _, samples, fset = data
+    checked = 0
+    for s in samples:
+        if s.op != "backward_held":
+            continue
+        fset._cache.clear()
+        fo = F.select(fset, "backward_held", s.switches)
+        if fo is None or fo.bwd_peak is None:
+            continue
+        lo, hi = s.spread["bwd_peak"]
+        assert _eval_terms(fo.bwd_peak, s.point) == lo == hi, os.path.basename(s.run)
+        checked += 1
+    assert checked >= 40
