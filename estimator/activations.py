@@ -117,6 +117,20 @@ class LayerCache:
         held = self.held if (first and last and tied and self.held is not None) else self.hidden
         return held, self.hidden
 
+    def fallbacks(self) -> set:
+        """(op, quantity) pairs this config's evaluated rows took from the fallback set."""
+        out = set()
+        for key in self._cache:
+            if key[0] is None:
+                sw, ops = self.sw, key[1]
+            else:
+                sw = dict(self.sw, moe=key[0], recompute=key[1])
+                ops = ATTN_OPS + (MOE_MLP_OPS if key[0] else DENSE_MLP_OPS) + (LAYER_OP,)
+            for op in ops:
+                out.update(F.fallbacks_used(self.fset, op, sw))
+        out.update(F.fallbacks_used(self.fset, HELD_OP, self.sw))
+        return out
+
     def model_rows(self, ops):
         key = (None, ops)
         if key not in self._cache:

@@ -482,11 +482,26 @@ def select(fset: FormulaSet, op: str, sw: Any) -> Optional[Formula]:
                 found = Formula(found.op, found.per, found.when,
                                 *(getattr(backup if q in gaps else found, q) for q in QUANTITIES))
             fset.fallbacks.update((op, q) for q in gaps)
+            if key is not None:
+                fset._cache[("gaps",) + key[1:]] = tuple((op, q) for q in gaps)
     if found is not None and any(getattr(found, q) is None for q in QUANTITIES):
         found = Formula(found.op, found.per, found.when, *(getattr(found, q) or () for q in QUANTITIES))
     if key is not None:
         fset._cache[key] = found
     return found
+
+
+def fallbacks_used(fset: FormulaSet, op: str, sw: Dict[str, Any]) -> Tuple[Tuple[str, str], ...]:
+    """The (op, quantity) pairs that select(fset, op, sw) takes from the fallback set. `fset.fallbacks` gathers
+    them over every selection the process ever made; a report lists only its own estimate's (this)."""
+    select(fset, op, sw)
+    try:
+        return fset._cache.get(("gaps", op, tuple(sw.items())), ())
+    except TypeError:  # unhashable switch values: select() cached nothing, so search again
+        found = next((fo for fo in fset._by_op.get(op, ()) if fo.matches(sw)), None)
+        if fset.fallback is None or select(fset.fallback, op, sw) is None:
+            return ()
+        return tuple((op, q) for q in QUANTITIES if found is None or getattr(found, q) is None)
 
 
 def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] = None,

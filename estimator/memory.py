@@ -30,6 +30,7 @@ class Estimate:
     max_peak_bytes: float
     max_peak_pp_rank: int
     schedule: str
+    fallbacks: set = field(default_factory=set)  # (op, quantity) this estimate took from the fallback set
 
 
 def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
@@ -168,7 +169,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
         ranks.append(RankEstimate(r, st.params, st.expert_params, cats, tl.peak, tl.peak_phase, tl.in_flight_max,
                                   per_op, st, tl if timeline else None))
     top = max(ranks, key=lambda x: x.peak_bytes)
-    return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg))
+    return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks())
 
 
 def _saved_at(steps, chunks, idx: int) -> float:

@@ -221,11 +221,11 @@ def _text_groups(report) -> list[str]:
     return lines or ["  (every group has one member)"]
 
 
-def _fallback_lines(fset) -> list[str]:
-    if not fset.fallbacks:
+def _fallback_lines(fallbacks) -> list[str]:
+    if not fallbacks:
         return []
     by_op: dict = {}
-    for op, q in sorted(fset.fallbacks):
+    for op, q in sorted(fallbacks):
         by_op.setdefault(op, []).append(q)
     whole = [op for op, qs in by_op.items() if len(qs) == 3]
     part = [f"{op} ({', '.join(qs)})" for op, qs in by_op.items() if len(qs) < 3]
@@ -245,7 +245,7 @@ def to_text(report) -> str:
            f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
            + (" -- activations are MODELLED from published analysis, not measured" if modelled else
               " -- fitted from measured traces"),
-           *_fallback_lines(report.formula_set),
+           *_fallback_lines(report.estimate.fallbacks),
            ""]
     out += _describe(cfg)
     out += ["", f"Model tree, pipeline stage {est.max_peak_pp_rank} (one TP/EP rank; activation bytes per "
@@ -303,7 +303,7 @@ def to_json(report) -> dict:
         "format": JSON_FORMAT, "version": JSON_VERSION,
         "formula_set": {"name": report.formula_set.name, "kind": report.formula_set.kind,
                         "path": report.formula_set.path,
-                        "fallbacks": [{"op": op, "quantity": q} for op, q in sorted(report.formula_set.fallbacks)]},
+                        "fallbacks": [{"op": op, "quantity": q} for op, q in sorted(report.estimate.fallbacks)]},
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
         "schedule": est.schedule,
