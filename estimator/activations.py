@@ -193,11 +193,8 @@ def chunk_units(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last:
         rows = cache.model_rows(LAST_OPS)
         s, f, b = _fold(rows)
         units.append(Unit("head", s, s, f, b, rows))
-    if recv_input and (_g(cache.cfg, "num_microbatches", 1) or 1) > 1:
-        # The gradient of the chunk's input that the previous microbatch's backward sent to the previous stage
-        # stays allocated until that send completes, which megatron-core waits for at the next p2p exchange: it
-        # is live through this backward (a pipeline send buffer; every backward but a rank's first has one).
-        units = [Unit(u.name, u.kept, u.full, u.fwd, u.bwd + cache.hidden, u.ops) for u in units]
+    # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
+    # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
     return units
 
 

@@ -154,15 +154,19 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             st = memo[st_key] = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
         # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
         base = st.total_bytes + (attn_buffer if any(layer_table[(r, vp)] for vp in range(vpp)) else 0)
+        # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
+        p2p = cache.hidden if pp > 1 else 0.0
         if timeline:
             steps = S.order(pp, r, M_, vp_arg, group)
+            recv, sends = S.p2p_flags(pp, r, vp_arg)
             tl = S.simulate(steps, chunks, base, st.optimizer_step_transient_bytes, keep_events=True,
-                            warmup=S.warmup_count(pp, r, M_, vp_arg, group))
+                            warmup=S.warmup_count(pp, r, M_, vp_arg, group), p2p=p2p, recv=recv, sends=sends,
+                            interleaved=vp_arg is not None)
             # Activation bytes at the peak: the saved microbatches live then; the rest of the peak is transient.
             act = 0.0 if tl.peak_phase == "optimizer step" else _saved_at(steps, chunks, tl.peak_index)
         else:
             tl, act = S.rank_timeline(pp, r, M_, chunks, base, st.optimizer_step_transient_bytes,
-                                      vp=vp_arg, group=group)
+                                      vp=vp_arg, group=group, p2p=p2p)
         cats = {"parameters": st.weights_bytes, "gradients": st.grad_buffer_bytes,
                 "optimizer_states": st.optimizer_bytes, "activations": act,
                 "other": tl.peak - st.total_bytes - act}

@@ -3,7 +3,9 @@
 Orders follow megatron/core/pipeline_parallel/schedules.py: forward_backward_no_pipelining (F,B per microbatch),
 forward_backward_pipelining_without_interleaving (warmup = min(pp - rank - 1, M) forwards, steady 1F1B, cooldown
 backwards) and forward_backward_pipelining_with_interleaving (get_pp_rank_microbatches warmup count and the
-get_schedule_table order; backward visits model chunks in reverse).
+get_schedule_table order; backward visits model chunks in reverse). Pipeline p2p tensors that outlive their step
+(received inputs kept by the model chunk, sent input gradients, interleaved sends deferred past the pair's
+backward) are counted per step by p2p_counts.
 """
 from __future__ import annotations
 
@@ -83,11 +85,69 @@ class RankTimeline:
     events: List[Event] = field(default_factory=list)
 
 
+def p2p_flags(pp: int, rank: int, vp: Optional[int] = None) -> Tuple[List[bool], List[bool]]:
+    """(recv, sends) per model chunk of a PP rank: whether the chunk's input arrives by p2p (all but the first
+    stage's first chunk) and whether its output is sent on (all but the last stage's last chunk)."""
+    n = vp if vp and vp > 1 else 1
+    if pp <= 1:
+        return [False] * n, [False] * n
+    return ([not (rank == 0 and c == 0) for c in range(n)],
+            [not (rank == pp - 1 and c == n - 1) for c in range(n)])
+
+
+def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequence[bool],
+               interleaved: bool) -> Tuple[List[int], int]:
+    """Pipeline p2p tensors (each one hidden state) live at each step of seq ((kind, chunk) per step) on top of
+    the saved bytes, and at the optimizer step, as megatron-core's schedules (0.16) keep them:
+    - the model chunk keeps its last input (TransformerBlock.set_input_tensor) and, once that input's backward
+      ran, its .grad (the input gradient): 2 per input-receiving chunk with nothing in flight, until the chunk's
+      next forward replaces it (across iterations too: the optimizer step and the next iteration's first steps);
+    - the input gradient a backward sent to the previous stage is referenced until the next backward has run
+      (send_prev_wait_handle waited after the next backward's send; `input_tensor_grad` in 1F1B): 1 during the
+      steps up to and including the next backward, unless the chunk still holds it (above);
+    - interleaved schedule only, steady 1F1B pairs (the p2p exchange comes after the pair's backward): the pair's
+      forward output is sent, and pseudo-freed, only after the backward (1 during the backward when the forward's
+      chunk sends its output), and the output gradient for the pair's backward is received before its forward
+      (1 during the forward when the backward's chunk receives one; the backward itself counts it already).
+    The chunk's received input until its backward is a saved unit (activations.chunk_units), not counted here."""
+    fl = [0] * len(recv)  # microbatches in flight per chunk
+    held = sum(map(bool, recv))  # input-receiving chunks with nothing in flight
+    prev = -1      # chunk of the last backward
+    out: List[int] = []
+    last = len(seq) - 1
+    for i, (kind, c) in enumerate(seq):
+        if kind == "F":
+            if recv[c] and not fl[c]:
+                held -= 1  # set_input_tensor replaces the kept input
+            n = 2 * held
+            if prev >= 0 and recv[prev] and (fl[prev] or prev == c):
+                n += 1
+            if interleaved and i < last and seq[i + 1][0] == "B" and sends[seq[i + 1][1]]:
+                n += 1
+            fl[c] += 1
+        else:
+            n = 2 * held
+            if prev >= 0 and recv[prev] and fl[prev]:
+                n += 1
+            if interleaved and i > 0 and seq[i - 1][0] == "F" and sends[seq[i - 1][1]]:
+                n += 1
+            fl[c] -= 1
+            if recv[c] and not fl[c]:
+                held += 1
+            prev = c
+        out.append(n)
+    return out, 2 * held
+
+
 def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_transient: float = 0.0,
-             keep_events: bool = False, warmup: int = 0) -> RankTimeline:
+             keep_events: bool = False, warmup: int = 0, p2p: float = 0.0, recv: Sequence[bool] = (),
+             sends: Sequence[bool] = (), interleaved: bool = False) -> RankTimeline:
     """chunks[c]: object with saved / fwd_extra / bwd_extra bytes per microbatch (activations.ChunkActivations).
     The level starts at the static bytes; a forward adds its chunk's saved bytes (its transient on top), a
-    backward frees them (its transient on top of the level with them live); the optimizer step comes last."""
+    backward frees them (its transient on top of the level with them live); the optimizer step comes last.
+    p2p: bytes of one pipeline p2p tensor; with recv / sends (p2p_flags) and interleaved, the p2p tensors that
+    p2p_counts finds live are added on top of each step's transient and of the optimizer step's."""
+    counts, end = p2p_counts([(k, c) for k, _, c in steps], recv, sends, interleaved) if p2p else ((), 0)
     level = float(static_bytes)
     peak, where, at = level, "start", -1
     live = best = 0
@@ -97,13 +157,13 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
         ch = chunks[c]
         before = level
         if kind == "F":
-            top = level + ch.fwd_extra
+            top = level + (ch.fwd_extra + counts[i] * p2p if p2p else ch.fwd_extra)
             level += ch.saved
             live += 1
             n_f += 1
             stage = "warmup" if n_f <= warmup else "steady"
         else:
-            top = level + ch.bwd_extra
+            top = level + (ch.bwd_extra + counts[i] * p2p if p2p else ch.bwd_extra)
             level -= ch.saved
             live -= 1
             stage = "cooldown" if n_f == len(steps) // 2 and warmup else "steady"
@@ -113,7 +173,7 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
             where = f"{'forward' if kind == 'F' else 'backward'} mb={mb} chunk={c} ({stage}, {live if kind == 'B' else live - 1} others in flight)"
         if keep_events:
             events.append(Event(i, kind, mb, c, before, top, level))
-    top = level + optimizer_transient
+    top = level + (optimizer_transient + end * p2p if p2p else optimizer_transient)
     if top > peak:
         peak, at, where = top, len(steps), "optimizer step"
     if keep_events:
@@ -130,7 +190,10 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
 # fwd[w + k - P : w + k] and bwd[k - P : k] each hold every chunk `group` times, so pair k starts from the same live
 # set as pair k - P and runs the same chunks: the same levels, the same tops, the same in-flight count. None of them
 # can beat an earlier top (a new peak must be strictly higher), so whole periods past the first are skipped and the
-# level after them is the level before them. This holds exactly only while every sum is exact in floating point, so
+# level after them is the level before them. With pipeline p2p tensors (p2p_counts) a step's count depends on the
+# in-flight microbatches per chunk (the same for pair k and pair k - P), on the chunks of its own pair and on the
+# chunk of backward k - 1 (none before pair 0): the same for pair k and pair k - P once k >= P + 1, so the skip then
+# starts at pair P + 1. This holds exactly only while every sum is exact in floating point, so
 # the short walk is taken only when all byte counts are integers and every partial sum stays below 2**53;
 # otherwise the full schedule is simulated. tests/test_estimator_speed_equivalence.py checks both against each other.
 
@@ -147,17 +210,23 @@ def _exact(values, total: int) -> bool:
 
 
 def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optimizer_transient: float = 0.0,
-                  vp: Optional[int] = None, group: Optional[int] = None) -> Tuple[RankTimeline, float]:
-    """(simulate(order(pp, rank, M, vp, group), chunks, ..., warmup=warmup_count(...)), saved activation bytes
-    live at the peak step (0.0 at the optimizer step or at the start)), without building the step list when the
-    arithmetic is exact. Same numbers, phase text and indices as the full simulation."""
+                  vp: Optional[int] = None, group: Optional[int] = None,
+                  p2p: float = 0.0) -> Tuple[RankTimeline, float]:
+    """(simulate(order(pp, rank, M, vp, group), chunks, ..., warmup=warmup_count(...), p2p=p2p,
+    recv/sends=p2p_flags(pp, rank, vp), interleaved=vp > 1), saved activation bytes live at the peak step (0.0 at
+    the optimizer step or at the start)), without building the step list when the arithmetic is exact. Same
+    numbers, phase text and indices as the full simulation."""
     vp = vp if vp and vp > 1 else None
     total = M * (vp or 1)
     used = chunks[: vp or 1]
+    recv, sends = p2p_flags(pp, rank, vp)
     vals = [static_bytes, optimizer_transient] + [x for ch in used for x in (ch.saved, ch.fwd_extra, ch.bwd_extra)]
+    if p2p:
+        vals.append(p2p * (2 * len(used) + 2))
     if not _exact(vals, total):
         steps = order(pp, rank, M, vp, group)
-        tl = simulate(steps, chunks, static_bytes, optimizer_transient, warmup=warmup_count(pp, rank, M, vp, group))
+        tl = simulate(steps, chunks, static_bytes, optimizer_transient, warmup=warmup_count(pp, rank, M, vp, group),
+                      p2p=p2p, recv=recv, sends=sends, interleaved=bool(vp))
         if tl.peak_phase == "optimizer step":
             return tl, 0.0
         level = 0.0
@@ -190,9 +259,11 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     S_ = total - w  # steady 1F1B pairs
     skip_from = skip_to = S_
     lim = min(S_, J - w)
-    if lim - P >= P:
-        skip_from = P
-        skip_to = P + ((lim - P) // P) * P
+    # With p2p tensors, pair k also depends on the chunk of backward k - 1 (none before pair 0): skip from P + 1.
+    first = P + 1 if p2p else P
+    if lim - first >= P:
+        skip_from = first
+        skip_to = first + ((lim - first) // P) * P
     # The kept steps in order: warmup forwards, steady pairs [0, skip_from) and [skip_to, S_), cooldown backwards.
     pf = cf[w: w + skip_from] + cf[w + skip_to: w + S_]
     pb = cb[:skip_from] + cb[skip_to:S_]
@@ -207,6 +278,15 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     x_pairs[1::2] = map(bx.__getitem__, pb)
     deltas = [*map(saved.__getitem__, head), *d_pairs, *map(neg.__getitem__, tail)]
     extras = [*map(fx.__getitem__, head), *x_pairs, *map(bx.__getitem__, tail)]
+    p2p_end = 0
+    if p2p:
+        seq = [("F", c) for c in head]
+        seq += [None] * n2
+        seq[w::2] = [("F", c) for c in pf]
+        seq[w + 1::2] = [("B", c) for c in pb]
+        seq += [("B", c) for c in tail]
+        counts, p2p_end = p2p_counts(seq, recv, sends, bool(vp))
+        extras = [x + n * p2p for x, n in zip(extras, counts)]
     level0 = float(static_bytes)
     levels = list(accumulate(deltas, initial=level0))
     tops = list(map(add, levels, extras))  # levels[i]: the level before kept step i
@@ -247,7 +327,7 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
                 c = cb[j]
                 act = before - level0
                 where = f"backward mb={mb} chunk={c} ({stage}, {others} others in flight)"
-    top = levels[-1] + optimizer_transient
+    top = levels[-1] + (optimizer_transient + p2p_end * p2p if p2p else optimizer_transient)
     if top > peak:
         peak, at, where, act = top, 2 * total, "optimizer step", 0.0
     return RankTimeline(peak, where, at, w + (1 if S_ > 0 else 0)), act

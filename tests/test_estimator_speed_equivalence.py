@@ -1,7 +1,8 @@
 """The estimator's fast paths give exactly what the straightforward computations give.
 
 - schedule.rank_timeline (periodic steady state skipped) == schedule.simulate over the full order() + the saved
-  bytes live at the peak, over a grid of (pp, vp, M, group, stage) and several chunk byte patterns.
+  bytes live at the peak, over a grid of (pp, vp, M, group, stage), several chunk byte patterns and p2p tensor
+  sizes (0: none; the pipeline p2p tensors of schedule.p2p_counts otherwise).
 - parallel.masked_orthogonal_groups (stride arithmetic) == megatron's rank-by-rank decomposition.
 """
 import itertools
@@ -14,10 +15,12 @@ from estimator import parallel as P
 from estimator import schedule as S
 
 
-def _full(pp, rank, M, vp, group, chunks, static, opt):
+def _full(pp, rank, M, vp, group, chunks, static, opt, p2p=0.0):
     steps = S.order(pp, rank, M, vp, group)
+    recv, sends = S.p2p_flags(pp, rank, vp)
     tl = S.simulate(steps, chunks, static, opt, warmup=S.warmup_count(pp, rank, M, vp if vp and vp > 1 else None,
-                                                                       group))
+                                                                       group),
+                    p2p=p2p, recv=recv, sends=sends, interleaved=bool(vp and vp > 1))
     act = 0.0
     if tl.peak_phase != "optimizer step":
         for i, (kind, _, c) in enumerate(steps[: tl.peak_index + 1]):
@@ -52,10 +55,11 @@ def test_rank_timeline_equals_full_simulation(pp, vp, M, group):
     rng = random.Random(f"{pp}-{vp}-{M}-{group}")
     for chunks in _chunk_sets(vp, rng):
         for rank in range(pp):
-            for static, opt in ((1000.0, 0.0), (0, 10_000.0), (5.0, 3.0)):
-                want_tl, want_act = _full(pp, rank, M, vp, group, chunks, static, opt)
-                got_tl, got_act = S.rank_timeline(pp, rank, M, chunks, static, opt, vp=vp, group=group)
-                key = (pp, vp, M, group, rank, static, opt, [c.__dict__ for c in chunks])
+            for static, opt, p2p in ((1000.0, 0.0, 0.0), (0, 10_000.0, 0.0), (5.0, 3.0, 0.0), (1000.0, 0.0, 4.0),
+                                     (5.0, 3.0, 9.0), (0, 30.0, 2.5)):
+                want_tl, want_act = _full(pp, rank, M, vp, group, chunks, static, opt, p2p)
+                got_tl, got_act = S.rank_timeline(pp, rank, M, chunks, static, opt, vp=vp, group=group, p2p=p2p)
+                key = (pp, vp, M, group, rank, static, opt, p2p, [c.__dict__ for c in chunks])
                 assert got_tl.peak == want_tl.peak and type(got_tl.peak) is type(want_tl.peak), key
                 assert got_tl.peak_phase == want_tl.peak_phase, key
                 assert got_tl.peak_index == want_tl.peak_index, key

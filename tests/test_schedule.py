@@ -48,3 +48,33 @@ def test_simulate_peak_phase():
     assert tl.events[-1].phase == "optimizer"
     nopipe = S.simulate(S.order(1, 0, 4), [ch], 0.0)
     assert nopipe.in_flight_max == 1 and nopipe.peak == 13.0
+
+
+def test_p2p_counts_match_interleaved_trace():
+    """Pipeline p2p tensors live per step beyond the saved bytes, as read from the traced megatron-core 0.16 run
+    runs/accuracy/l4_pp2_vpp2_m4 (pp=2, vp=2, M=4, overlap_p2p_comm): kept chunk inputs and their gradients,
+    pending input-gradient sends, interleaved output sends after the pair's backward, prefetched output grads."""
+    want = {0: ([2, 2, 0, 0, 1, 1, 2, 2, 2, 2, 1, 1, 0, 1, 2, 2], 2),
+            1: ([2, 2, 0, 0, 1, 1, 3, 3, 4, 4, 1, 1, 1, 1, 2, 3], 4)}
+    for rank, (counts, end) in want.items():
+        steps = S.order(2, rank, 4, 2, 2)
+        recv, sends = S.p2p_flags(2, rank, 2)
+        assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, True) == (counts, end)
+    # 1F1B: a sent input gradient lives through the next forward and backward; the chunk keeps its last input
+    # and that input's gradient through the optimizer step; the first stage receives nothing.
+    steps = S.order(2, 1, 4)
+    recv, sends = S.p2p_flags(2, 1)
+    assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, False) == ([0, 0, 1, 1, 1, 1, 1, 1], 2)
+    steps = S.order(2, 0, 4)
+    recv, sends = S.p2p_flags(2, 0)
+    assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, False) == ([0] * 8, 0)
+
+
+def test_simulate_adds_p2p_tensors():
+    ch = types.SimpleNamespace(saved=10.0, fwd_extra=12.0, bwd_extra=3.0)
+    steps = S.order(2, 1, 4)
+    recv, sends = S.p2p_flags(2, 1)
+    base = S.simulate(steps, [ch], 100.0, optimizer_transient=1.0, keep_events=True)
+    tl = S.simulate(steps, [ch], 100.0, optimizer_transient=1.0, keep_events=True, p2p=5.0, recv=recv, sends=sends)
+    assert [e.peak - b.peak for e, b in zip(tl.events, base.events)] == [0, 0, 5, 5, 5, 5, 5, 5, 10]
+    assert S.rank_timeline(2, 1, 4, [ch], 100.0, 1.0, p2p=5.0)[0].peak == tl.peak
