@@ -50,14 +50,7 @@ def _op_rows(fset, ops, sw, env):
     rows = []
     for op in ops:
         fo = F.select(fset, op, sw)
-        if fo is None:
-            rows.append((op, 0.0, 0.0, 0.0))
-            continue
-        s, f, b = fo.evaluate(env)
-        for pf in F.point_formulas(fset, op, fo.when):
-            _, pf_f, pf_b = pf.evaluate(env)
-            f, b = max(f, pf_f), max(b, pf_b)
-        rows.append((op, s, f, b))
+        rows.append((op, *(F.evaluate_selected(fset, op, fo, env) if fo else (0.0, 0.0, 0.0))))
     return rows
 
 
@@ -96,13 +89,20 @@ class LayerCache:
     def layer_rows(self, moe: bool, recompute: str):
         key = (moe, recompute)
         if key not in self._cache:
-            sw = dict(self.sw, moe=moe, recompute=recompute)
-            ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
+            sw, ops = self._query(key)
             self._cache[key] = _op_rows(self.fset, ops, sw, self.env)
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(
                 pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))
         return self._cache[key]
+
+    def _query(self, key) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
+        """(switches, ops) behind a row-cache key: (moe, recompute) for a layer, (None, ops) for model ops."""
+        if key[0] is None:
+            return self.sw, key[1]
+        moe, recompute = key
+        ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
+        return dict(self.sw, moe=moe, recompute=recompute), ops
 
     def held_bwd(self, kinds, first: bool, last: bool) -> Tuple[float, float]:
         """(bytes to add to a unit's backward for what the backward holds from before it, and for its output
@@ -121,11 +121,7 @@ class LayerCache:
         """(op, quantity) pairs this config's evaluated rows took from the fallback set."""
         out = set()
         for key in self._cache:
-            if key[0] is None:
-                sw, ops = self.sw, key[1]
-            else:
-                sw = dict(self.sw, moe=key[0], recompute=key[1])
-                ops = ATTN_OPS + (MOE_MLP_OPS if key[0] else DENSE_MLP_OPS) + (LAYER_OP,)
+            sw, ops = self._query(key)
             for op in ops:
                 out.update(F.fallbacks_used(self.fset, op, sw))
         out.update(F.fallbacks_used(self.fset, HELD_OP, self.sw))

@@ -169,8 +169,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     e, eg = DTYPE_BYTES[pdt], DTYPE_BYTES[gdt]
     tied = not _g(cfg, "untie_embeddings_and_output_weights", False)
     layers = layers_per_stage(cfg)
-    pp_groups = lay.groups["pp"]
-    stage_ranks = [sorted([g[p] for g in pp_groups]) for p in range(pp)]  # == lay.stage_ranks(p)
+    stage_ranks = [lay.stage_ranks(p) for p in range(pp)]
     stage_of = {r: p for p in range(pp) for r in stage_ranks[p]}
     rows: list = []
     notes: list = []
@@ -336,9 +335,10 @@ def _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt) -> None:
     """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers."""
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
     dense_dp = lay.dp * lay.cp
+    first_bucket = ddp_bucket_size(cfg)  # the buffers static memory sizes: bucketed on stage 0's first chunk only
     for p, chunks in chunks_by_stage.items():
         for ci, chunk in enumerate(chunks):
-            bucket = ddp_bucket_size(cfg) if p == 0 and ci == 0 else None  # the buffers static memory sizes
+            bucket = first_bucket if p == 0 and ci == 0 else None
             for expert, group, size in ((False, "dp-cp", dense_dp), (True, "expert-dp", lay.edp)):
                 _, layout = chunk_buffer(chunk, expert, size, dist_opt, bucket)
                 if layout is None:

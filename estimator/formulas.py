@@ -86,24 +86,13 @@ class Formula:
             n = self.__dict__.get("_evaluations", 0) + 1
             object.__setattr__(self, "_evaluations", n)
             if n <= _COMPILE_AFTER:
-                return tuple(_term_sum(terms, env) for terms in (self.saved, self.fwd_peak, self.bwd_peak))
+                return tuple(sum([t.value(env) for t in terms]) for terms in (self.saved, self.fwd_peak, self.bwd_peak))
             fn = _compile_quantities((self.saved, self.fwd_peak, self.bwd_peak))
             object.__setattr__(self, "_compiled", fn)
         return fn(env)
 
 
 _COMPILE_AFTER = 8
-
-
-def _term_sum(terms, env) -> float:
-    """sum(t.value(env) for t in terms), the reference the compiled form reproduces bit for bit."""
-    vals = []
-    for t in terms:
-        x = t._fcoef
-        for name, exp in t.vars:
-            x *= env[name] ** exp
-        vals.append(x)
-    return sum(vals)
 
 
 def _compile_quantities(quantities) -> Any:
@@ -462,17 +451,30 @@ def select(fset: FormulaSet, op: str, sw: Any) -> Optional[Formula]:
     """The matching formula for `op` with the most `when` keys (first in file order on ties), with any quantity
     the set leaves undetermined (or an op it lacks) taken from its fallback set. `sw` is a switch dict or a config.
     None when neither set has a formula for the op/switches."""
+    return _selection(fset, op, sw)[0]
+
+
+def fallbacks_used(fset: FormulaSet, op: str, sw: Any) -> Tuple[Tuple[str, str], ...]:
+    """The (op, quantity) pairs that select(fset, op, sw) takes from the fallback set. `fset.fallbacks` gathers
+    them over every selection the process ever made; a report lists only its own estimate's (this)."""
+    return _selection(fset, op, sw)[1]
+
+
+def _selection(fset: FormulaSet, op: str, sw: Any) -> Tuple[Optional[Formula], Tuple[Tuple[str, str], ...]]:
+    """(select's formula, the (op, quantity) pairs it took from the fallback set), searched once per (op, switches)
+    -- the set's formulas are fixed once loaded."""
     if not isinstance(sw, dict) or "attention" not in sw:
         sw = switches(sw)
     try:
         key = ("select", op, tuple(sw.items()))
-        return fset._cache[key]  # the set's formulas are fixed once loaded: one search per (op, switches)
+        return fset._cache[key]
     except TypeError:  # unhashable switch values: search every time
         key = None
     except KeyError:
         pass
     found = next((fo for fo in fset._by_op.get(op, ()) if fo.matches(sw)), None)
     gaps = [q for q in QUANTITIES if found is None or getattr(found, q) is None]
+    used: Tuple[Tuple[str, str], ...] = ()
     if gaps and fset.fallback is not None:
         backup = select(fset.fallback, op, sw)
         if backup is not None:
@@ -481,27 +483,23 @@ def select(fset: FormulaSet, op: str, sw: Any) -> Optional[Formula]:
             else:
                 found = Formula(found.op, found.per, found.when,
                                 *(getattr(backup if q in gaps else found, q) for q in QUANTITIES))
-            fset.fallbacks.update((op, q) for q in gaps)
-            if key is not None:
-                fset._cache[("gaps",) + key[1:]] = tuple((op, q) for q in gaps)
+            used = tuple((op, q) for q in gaps)
+            fset.fallbacks.update(used)
     if found is not None and any(getattr(found, q) is None for q in QUANTITIES):
         found = Formula(found.op, found.per, found.when, *(getattr(found, q) or () for q in QUANTITIES))
     if key is not None:
-        fset._cache[key] = found
-    return found
+        fset._cache[key] = (found, used)
+    return found, used
 
 
-def fallbacks_used(fset: FormulaSet, op: str, sw: Dict[str, Any]) -> Tuple[Tuple[str, str], ...]:
-    """The (op, quantity) pairs that select(fset, op, sw) takes from the fallback set. `fset.fallbacks` gathers
-    them over every selection the process ever made; a report lists only its own estimate's (this)."""
-    select(fset, op, sw)
-    try:
-        return fset._cache.get(("gaps", op, tuple(sw.items())), ())
-    except TypeError:  # unhashable switch values: select() cached nothing, so search again
-        found = next((fo for fo in fset._by_op.get(op, ()) if fo.matches(sw)), None)
-        if fset.fallback is None or select(fset.fallback, op, sw) is None:
-            return ()
-        return tuple((op, q) for q in QUANTITIES if found is None or getattr(found, q) is None)
+def evaluate_selected(fset: FormulaSet, op: str, fo: Formula, env: Mapping[str, float]) -> Tuple[float, float, float]:
+    """(saved, fwd_peak, bwd_peak) of `op` by its selected formula `fo`, the transients raised to the maximum over
+    the op's point formulas (FORMATS 4) where the set has them."""
+    saved, fwd, bwd = fo.evaluate(env)
+    for pf in point_formulas(fset, op, fo.when):
+        _, pf_fwd, pf_bwd = pf.evaluate(env)
+        fwd, bwd = max(fwd, pf_fwd), max(bwd, pf_bwd)
+    return (saved, fwd, bwd)
 
 
 def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] = None,
@@ -511,12 +509,7 @@ def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] =
     fo = select(fset, op, sw)
     if fo is None:
         return (0.0, 0.0, 0.0)
-    env = env if env is not None else variables(cfg)
-    saved, fwd, bwd = fo.evaluate(env)
-    for pf in point_formulas(fset, op, fo.when):
-        _, pf_fwd, pf_bwd = pf.evaluate(env)
-        fwd, bwd = max(fwd, pf_fwd), max(bwd, pf_bwd)
-    return (saved, fwd, bwd)
+    return evaluate_selected(fset, op, fo, env if env is not None else variables(cfg))
 
 
 def point_formulas(fset: FormulaSet, op: str, when: Tuple[Tuple[str, Any], ...]) -> Tuple[Formula, ...]:

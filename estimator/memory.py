@@ -122,6 +122,8 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     vp_arg = vpp if vpp > 1 else None
     attn_buffer = attention_buffer_bytes(cfg)
     memo: dict = {}  # equal chunks (same layer kinds, same place in the model) are evaluated once
+    # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
+    p2p = cache.hidden if pp > 1 else 0.0
     ranks = []
     for r in range(pp):
         chunks, keys = [], []
@@ -154,8 +156,6 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             st = memo[st_key] = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
         # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
         base = st.total_bytes + (attn_buffer if any(layer_table[(r, vp)] for vp in range(vpp)) else 0)
-        # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
-        p2p = cache.hidden if pp > 1 else 0.0
         if timeline:
             steps = S.order(pp, r, M_, vp_arg, group)
             recv, sends = S.p2p_flags(pp, r, vp_arg)
