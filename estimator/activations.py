@@ -22,17 +22,6 @@ FIRST_OPS = ("embedding",)
 LAST_OPS = ("final_layernorm", "output_layer", "loss")
 
 
-@dataclass
-class Unit:
-    """A forward/backward unit: one layer, a full-recompute checkpoint group, or a non-layer op."""
-    name: str
-    kept: float        # saved bytes held after the forward
-    full: float        # bytes live during its backward (re-materialised when recomputed)
-    fwd: float         # forward transient above entry level (includes its own saved growth)
-    bwd: float         # backward transient above (level before the unit's backward - kept + full)
-    ops: List[Tuple[str, float, float, float]] = field(default_factory=list)  # (op, saved, fwd, bwd) per op
-
-
 HELD_OP = "backward_held"
 
 
@@ -76,7 +65,6 @@ class LayerCache:
         self.env = F.variables(cfg)
         self.sw = F.switches(cfg)
         self._cache: Dict[Tuple[bool, str], List[Tuple[str, float, float, float]]] = {}
-        self.folds: Dict[int, Any] = {}
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st  # one sequence-sharded hidden state: pp recv input, checkpoint input
         # Layer backward peaks measured per point (FORMATS 4) exclude what the head's backward leaves live through
@@ -85,6 +73,19 @@ class LayerCache:
         fo = F.select(fset, HELD_OP, self.sw)
         self.held = fo.evaluate(self.env)[2] if fo is not None and _determined(fset, fo, "bwd_peak") else None
         self.bwd_points: Dict[Tuple[bool, str], bool] = {}
+        self.units: Dict[Any, Tuple[tuple, float]] = {}  # chunk_activations' layer / checkpoint-group units
+        h = self.hidden
+        self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])
+
+    def model_unit(self, ops) -> tuple:
+        """The unit of non-layer ops (embedding, or final norm + output layer + loss) run in order."""
+        key = ("model_unit", ops)
+        hit = self.units.get(key)
+        if hit is None:
+            rows = self.model_rows(ops)
+            s, f, b = _fold(rows)
+            hit = self.units[key] = (s, s, f, b, rows)
+        return hit
 
     def layer_rows(self, moe: bool, recompute: str):
         key = (moe, recompute)
@@ -150,48 +151,59 @@ def recomputed_groups(cfg, n_layers: int) -> List[Tuple[int, int, bool]]:
     return [(i, min(i + n, n_layers), True) for i in range(0, n_layers, n)]
 
 
-def chunk_units(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
-                recv_input: bool) -> List[Unit]:
-    """Units of one chunk. moe_flags: per layer of the chunk. first/last: holds embedding / loss head.
-    recv_input: the chunk's input arrives by p2p (held until its backward)."""
-    sel = "selective" if cache.sw["recompute"] == "selective" else "none"
-    units: List[Unit] = []
+def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
+                      recv_input: bool) -> Tuple["ChunkActivations", Dict[str, Dict[str, float]]]:
+    """(ChunkActivations, per-op bytes) of one chunk. moe_flags: per layer of the chunk. first/last: holds
+    embedding / loss head. recv_input: the chunk's input arrives by p2p (held until its backward).
+    A chunk is folded from units (kept, full, fwd, bwd, rows): one layer, a full-recompute checkpoint group, or a
+    non-layer op (module docstring; `full` = bytes live during its backward, `bwd` = transient above the level
+    before its backward - kept + full). Equal units are one shared tuple, built once per (set, config)."""
+    hidden = cache.hidden
+    units = []
     if recv_input:
-        units.append(Unit("pp_recv", cache.hidden, cache.hidden, cache.hidden, 0.0, [("pp_recv", cache.hidden, cache.hidden, 0.0)]))
+        units.append(cache.recv_unit)
     if first:
-        rows = cache.model_rows(FIRST_OPS)
-        s, f, b = _fold(rows)
-        units.append(Unit("embedding", s, s, f, b, rows))
+        units.append(cache.model_unit(FIRST_OPS))
+    groups = recomputed_groups(cache.cfg, len(moe_flags))
+    memo = cache.units
+    u = None
     sent = 0.0
-    for lo, hi, ckpt in recomputed_groups(cache.cfg, len(moe_flags)):
-        if hi - lo == 1:
-            rows = cache.layer_rows(moe_flags[lo], "none" if ckpt else sel)  # shared list: fold once per kind
-        else:
-            rows = [r for i in range(lo, hi) for r in cache.layer_rows(moe_flags[i], "none")]
-        key = id(rows)
-        if key not in cache.folds:
-            cache.folds[key] = (_fold(rows), rows)
-        s, f, b = cache.folds[key][0]
-        held, sent = cache.held_bwd([(moe_flags[i], "none" if ckpt else sel) for i in range(lo, hi)], first, last)
-        if ckpt:
-            # Forward runs without saving; backward re-runs it: its saved bytes come back on top of the input.
-            units.append(Unit(f"layers[{lo}:{hi}]*", cache.hidden, s + cache.hidden, max(f, cache.hidden),
-                              b + held, rows))
-        else:
-            units.append(Unit(f"layers[{lo}]", s, s, f, b + held, rows))
-    if not last and units and units[-1].name.startswith("layers"):
+    for lo, hi, ckpt in groups:
+        key = (tuple(moe_flags[lo:hi]), ckpt, first, last)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = _group_unit(cache, key)
+        u, sent = hit
+        units.append(u)
+    if not last and u is not None:
         # The stage output is sent and pseudo-freed (deallocate_pipeline_outputs); nothing on this rank saves it.
         # A per-point backward peak is measured above the level with the layer's output counted (its consumer's
         # backward frees it first, so it is counted as freed there): the bytes taken off `full` are added back.
-        u = units[-1]
-        units[-1] = Unit(u.name, u.kept - cache.hidden, u.full - cache.hidden, u.fwd, u.bwd + sent, u.ops)
+        kept, full, fwd, bwd, rows = u
+        units[-1] = (kept - hidden, full - hidden, fwd, bwd + sent, rows)
     if last:
-        rows = cache.model_rows(LAST_OPS)
-        s, f, b = _fold(rows)
-        units.append(Unit("head", s, s, f, b, rows))
+        units.append(cache.model_unit(LAST_OPS))
     # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
     # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
-    return units
+    return fold_chunk(units), per_op_bytes(units)
+
+
+def _group_unit(cache: LayerCache, key) -> Tuple[tuple, float]:
+    """(unit, bytes the stage's sent output adds to its backward) for one layer or checkpoint group."""
+    kinds_moe, ckpt, first, last = key
+    sel = "selective" if cache.sw["recompute"] == "selective" else "none"
+    rec = "none" if ckpt else sel
+    if len(kinds_moe) == 1:
+        rows = cache.layer_rows(kinds_moe[0], rec)  # shared list: folded once per kind
+    else:
+        rows = [r for m in kinds_moe for r in cache.layer_rows(m, "none")]
+    s, f, b = _fold(rows)
+    held, sent = cache.held_bwd([(m, rec) for m in kinds_moe], first, last)
+    if ckpt:
+        # Forward runs without saving; backward re-runs it: its saved bytes come back on top of the input.
+        h = cache.hidden
+        return (h, s + h, max(f, h), b + held, rows), sent
+    return (s, s, f, b + held, rows), sent
 
 
 @dataclass
@@ -199,29 +211,29 @@ class ChunkActivations:
     saved: float       # bytes kept per in-flight microbatch
     fwd_extra: float   # peak above entry level during the forward
     bwd_extra: float   # peak above (entry level + saved) during the backward
-    units: List[Unit]
 
 
-def fold_chunk(units: Sequence[Unit]) -> ChunkActivations:
+def fold_chunk(units: Sequence[tuple]) -> ChunkActivations:
+    """Units (kept, full, fwd, bwd, rows) run in order forward, in reverse backward."""
     cum = fwd = 0.0
     for u in units:
-        fwd = max(fwd, cum + u.fwd)
-        cum += u.kept
+        fwd = max(fwd, cum + u[2])
+        cum += u[0]
     saved = cum
     bwd = 0.0
     before = saved
-    for u in reversed(units):
-        before -= u.kept
-        bwd = max(bwd, before + u.full + u.bwd - saved)
-    return ChunkActivations(saved, max(fwd, saved), max(bwd, 0.0), list(units))
+    for kept, full, _, b, _ in reversed(units):
+        before -= kept
+        bwd = max(bwd, before + full + b - saved)
+    return ChunkActivations(saved, max(fwd, saved), max(bwd, 0.0))
 
 
-def per_op_bytes(units: Sequence[Unit]) -> Dict[str, Dict[str, float]]:
+def per_op_bytes(units: Sequence[tuple]) -> Dict[str, Dict[str, float]]:
     """Op -> summed saved / max fwd / max bwd bytes per microbatch over the chunk (for the model tree)."""
     out: Dict[str, Dict[str, float]] = {}
     counts: Dict[int, Any] = {}
     for u in units:  # identical layers share one rows list: aggregate by list, then by op
-        c = counts.setdefault(id(u.ops), [u.ops, 0])
+        c = counts.setdefault(id(u[4]), [u[4], 0])
         c[1] += 1
     for rows, n in counts.values():
         for op, s, f, b in rows:

@@ -184,7 +184,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         hit = members.get(key)
         if hit is None:
             if len(stages) == 1:
-                ranks = stage_ranks[stages[0]]
+                ranks = list(stage_ranks[stages[0]])
             else:
                 ranks = sorted([r for p in stages for r in stage_ranks[p]])
             all_groups = lay.groups[group]
@@ -197,7 +197,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                         by_stage[p].append(g)  # group order kept within each stage
                 hits = stages_hit[group] = (touched, by_stage)
             if len(stages) == 1:
-                groups = hits[1][stages[0]]
+                groups = list(hits[1][stages[0]])
             else:
                 wanted = set(stages)
                 groups = [g for g, h in zip(all_groups, hits[0]) if not wanted.isdisjoint(h)]
@@ -207,8 +207,8 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
             return
         if size <= 1:
             return  # a group of one moves nothing
-        # Each row gets its own lists, as if built afresh.
-        rows.append(Collective(dim, op, what, group, size, groups[:], ranks[:], tuple(shape), dtype, nbytes, per_mb,
+        # Rows of one (group kind, stages) share their rank and group lists: read-only once built.
+        rows.append(Collective(dim, op, what, group, size, groups, ranks, tuple(shape), dtype, nbytes, per_mb,
                                per_iter if per_iter is not None else per_mb * m, phase, modelled, direction))
 
     full_act, first, last = (s, b, h), [0], [pp - 1]

@@ -109,53 +109,44 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     """Every rank class's static bytes, activation bytes and schedule peak for one config.
     chunks_by_stage: all_param_chunks(cfg), when the caller already has it."""
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
-    from . import model as M
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     M_ = cfg.num_microbatches
     group = getattr(cfg, "microbatch_group_size_per_vp_stage", None) or pp
     cache = A.LayerCache(fset, cfg)
-    moe = cfg.moe_layer_pattern()
-    layer_table = M.chunk_layer_table(cfg)
     if chunks_by_stage is None:
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
     attn_buffer = attention_buffer_bytes(cfg)
-    memo: dict = {}  # equal chunks (same layer kinds, same place in the model) are evaluated once
+    memo: dict = {}  # equal chunks and equal stages (same layer kinds, same place in the model) are evaluated once
     # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
     p2p = cache.hidden if pp > 1 else 0.0
     ranks = []
     for r in range(pp):
-        chunks, keys = [], []
-        for vp in range(vpp):
-            layers = layer_table[(r, vp)]
-            first = r == 0 and vp == 0
-            last = r == pp - 1 and vp == vpp - 1
-            key = (tuple([bool(moe[i]) for i in layers]), first, last)
-            hit = memo.get(key)
-            if hit is None:
-                units = A.chunk_units(cache, list(key[0]), first, last, recv_input=not first)
-                hit = memo[key] = (A.fold_chunk(units), A.per_op_bytes(units))
-            chunks.append(hit[0])
-            keys.append(key)
-        stage_key = ("per_op", tuple(keys))
-        per_op = memo.get(stage_key)
-        if per_op is None:
-            per_op = {}
-            for key in keys:
-                for op, d in memo[key][1].items():
+        stage_chunks = chunks_by_stage[r]
+        # A Chunk's key names its layer kinds and whether it holds the embedding / the loss head; stage 0 alone
+        # may bucket its first chunk, so equal keys give equal activations, per-op rows and static memory.
+        stage_key = ("stage", tuple([c.key for c in stage_chunks]), r == 0)
+        stage = memo.get(stage_key)
+        if stage is None:
+            chunks, per_op = [], {}
+            for c in stage_chunks:
+                hit = memo.get(c.key)
+                if hit is None:
+                    _, kinds, first, last = c.key
+                    hit = memo[c.key] = A.chunk_activations(cache, tuple(map(bool, kinds)), first, last,
+                                                            recv_input=not first)
+                chunks.append(hit[0])
+                for op, d in hit[1].items():
                     acc = per_op.setdefault(op, {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0})
                     acc["saved"] += d["saved"]; acc["count"] += d["count"]
                     acc["fwd_peak"] = max(acc["fwd_peak"], d["fwd_peak"]); acc["bwd_peak"] = max(acc["bwd_peak"], d["bwd_peak"])
-            memo[stage_key] = per_op
+            st = static_memory(cfg, stage_chunks, pp_rank=r, _memo=memo)
+            # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
+            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0)
+            stage = memo[stage_key] = (chunks, per_op, st, base)
+        chunks, per_op, st, base = stage
         per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
-        # Stage 0 alone may bucket its first chunk; otherwise equal chunks give equal static memory.
-        st_key = ("stage_static", tuple([getattr(c, "key", None) or id(c) for c in chunks_by_stage[r]]), r == 0)
-        st = memo.get(st_key)
-        if st is None:
-            st = memo[st_key] = static_memory(cfg, chunks_by_stage[r], pp_rank=r, _memo=memo)
-        # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
-        base = st.total_bytes + (attn_buffer if any(layer_table[(r, vp)] for vp in range(vpp)) else 0)
         if timeline:
             steps = S.order(pp, r, M_, vp_arg, group)
             recv, sends = S.p2p_flags(pp, r, vp_arg)

@@ -109,7 +109,7 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
       forward output is sent, and pseudo-freed, only after the backward (1 during the backward when the forward's
       chunk sends its output), and the output gradient for the pair's backward is received before its forward
       (1 during the forward when the backward's chunk receives one; the backward itself counts it already).
-    The chunk's received input until its backward is a saved unit (activations.chunk_units), not counted here."""
+    The chunk's received input until its backward is a saved unit (activations.chunk_activations), not counted here."""
     fl = [0] * len(recv)  # microbatches in flight per chunk
     held = sum(map(bool, recv))  # input-receiving chunks with nothing in flight
     prev = -1      # chunk of the last backward
@@ -198,15 +198,65 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
 # otherwise the full schedule is simulated. tests/test_estimator_speed_equivalence.py checks both against each other.
 
 _EXACT = float(1 << 53)
+_INF = float("inf")
+
+
+def _p2p_counts_coded(sc: Sequence[int], vn: int, recv: Sequence[bool], sends: Sequence[bool], interleaved: bool,
+                      start: int, stop: int) -> List[int]:
+    """p2p_counts(seq, recv, sends, interleaved)[0][start:stop] for seq coded as sc (forward of chunk c: c, backward
+    of chunk c: vn + c): the same walk over plain ints, from the in-flight state the steps before `start` leave."""
+    prefix = sc[:start]
+    fl = [prefix.count(c) - prefix.count(vn + c) for c in range(vn)]
+    held = sum([1 for c in range(vn) if recv[c] and not fl[c]])
+    prev_recv_fl = None  # the last backward's chunk, if it receives its input (else None)
+    for j in range(start - 1, -1, -1):
+        if sc[j] >= vn:
+            if recv[sc[j] - vn]:
+                prev_recv_fl = sc[j] - vn
+            break
+    out = [0] * (stop - start)
+    last = len(sc) - 1
+    for i in range(start, stop):
+        x = sc[i]
+        if x < vn:
+            if recv[x] and not fl[x]:
+                held -= 1
+            n = 2 * held
+            if prev_recv_fl is not None and (fl[prev_recv_fl] or prev_recv_fl == x):
+                n += 1
+            if interleaved and i < last:
+                y = sc[i + 1]
+                if y >= vn and sends[y - vn]:
+                    n += 1
+            fl[x] += 1
+        else:
+            c = x - vn
+            n = 2 * held
+            if prev_recv_fl is not None and fl[prev_recv_fl]:
+                n += 1
+            if interleaved and i > 0:
+                y = sc[i - 1]
+                if y < vn and sends[y]:
+                    n += 1
+            fl[c] -= 1
+            if recv[c]:
+                if not fl[c]:
+                    held += 1
+                prev_recv_fl = c
+            else:
+                prev_recv_fl = None
+        out[i - start] = n
+    return out
 
 
 def _exact(values, total: int) -> bool:
     try:
-        if not all(float(v).is_integer() for v in values):
+        floats = list(map(float, values))
+        if not all(map(float.is_integer, floats)):
             return False
     except (TypeError, ValueError, OverflowError):
         return False
-    return sum(abs(float(v)) for v in values) * (total + 2) < _EXACT
+    return sum(map(abs, floats)) * (total + 2) < _EXACT
 
 
 def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optimizer_transient: float = 0.0,
@@ -278,18 +328,33 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     x_pairs[1::2] = map(bx.__getitem__, pb)
     deltas = [*map(saved.__getitem__, head), *d_pairs, *map(neg.__getitem__, tail)]
     extras = [*map(fx.__getitem__, head), *x_pairs, *map(bx.__getitem__, tail)]
-    p2p_end = 0
-    if p2p:
-        seq = [("F", c) for c in head]
-        seq += [None] * n2
-        seq[w::2] = [("F", c) for c in pf]
-        seq[w + 1::2] = [("B", c) for c in pb]
-        seq += [("B", c) for c in tail]
-        counts, p2p_end = p2p_counts(seq, recv, sends, bool(vp))
-        extras = [x + n * p2p for x, n in zip(extras, counts)]
     level0 = float(static_bytes)
     levels = list(accumulate(deltas, initial=level0))
     tops = list(map(add, levels, extras))  # levels[i]: the level before kept step i
+    p2p_end = 0
+    if p2p and tops:
+        # The pipeline p2p tensors live at each kept step (p2p_counts over the kept steps: the skipped whole periods
+        # leave the per-chunk in-flight state unchanged).
+        vn = len(used)
+        sc = list(head)  # kept steps as codes: forward of chunk c -> c, backward of chunk c -> vn + c
+        sc += [0] * n2
+        sc[w::2] = pf
+        sc[w + 1::2] = [vn + c for c in pb]
+        sc += [vn + c for c in tail]
+        n_max = 2 * sum(recv) + 2
+        # A step's p2p count is at most n_max, so a step whose top without p2p tensors is more than n_max * p2p
+        # below the highest such top cannot hold the peak (left at -inf); counts are needed from the first step
+        # that can to the last.
+        thr = max(tops) - n_max * p2p
+        start, stop = 0, len(tops)
+        while tops[stop - 1] < thr:
+            stop -= 1
+        while tops[start] < thr:
+            start += 1
+        counts = _p2p_counts_coded(sc, vn, recv, sends, bool(vp), start, stop)
+        tops = [-_INF] * start + [lv + (x + n * p2p) for lv, x, n in zip(levels[start:stop], extras[start:stop], counts)]
+    if p2p:
+        p2p_end = 2 * sum(recv)  # every receiving chunk keeps its last input and its grad past the last step
     peak, where, at, act = level0, "start", -1, 0.0
     if tops:
         top = max(tops)
