@@ -22,7 +22,9 @@ std::atomic<long> g_slow_allocs{0};
 
 // Fast path: data == context and the original deleter is the raw one, so no extra context is needed.
 void traced_delete(void* p) {
-  g_log_free(p, 0, -1, nullptr);  // log before the memory can be reused by another allocation
+  // Log before the memory can be reused by another allocation. Raw deallocation of a zero-byte raw allocation
+  // passes nullptr: nothing was allocated (and nothing logged), so nothing is freed.
+  if (p) g_log_free(p, 0, -1, nullptr);
   g_orig_deleter(p);
 }
 

@@ -62,14 +62,22 @@ inline uint64_t now_ns() {
 }
 
 // Open addressing, linear probing, backward-shift deletion: no per-insert malloc (std::unordered_map
-// would allocate a node per event) and no tombstones to degrade long runs.
+// would allocate a node per event) and no tombstones to degrade long runs. Key 0 marks an empty slot, so the
+// null pointer (torch's raw deleter is called with nullptr for zero-byte raw allocations) lives outside the table:
+// looked up in the table, it would match any empty slot and return that slot's stale size.
 class PtrMap {
  public:
   PtrMap() { rehash(1 << 16); }
   // Drop every entry (rehash alone would carry the old ones over into the new table).
-  void clear() { keys_.clear(); vals_.clear(); rehash(1 << 16); }
+  void clear() { keys_.clear(); vals_.clear(); rehash(1 << 16); null_live_ = false; }
   // Returns the previous size if `p` was live (replaced), else 0 with *had = false.
   uint64_t put(uint64_t p, uint64_t size, bool* had) {
+    if (!p) {
+      uint64_t old = null_live_ ? null_size_ : 0;
+      *had = null_live_;
+      null_live_ = true; null_size_ = size;
+      return old;
+    }
     if ((count_ + 1) * 2 > cap_) rehash(cap_ * 2);
     size_t i = slot(p);
     while (keys_[i]) {
@@ -80,6 +88,11 @@ class PtrMap {
     return 0;
   }
   bool take(uint64_t p, uint64_t* size) {
+    if (!p) {
+      if (!null_live_) return false;
+      null_live_ = false; *size = null_size_;
+      return true;
+    }
     size_t i = slot(p);
     while (keys_[i] != p) {
       if (!keys_[i]) return false;
@@ -112,6 +125,8 @@ class PtrMap {
   std::vector<uint64_t> keys_, vals_;
   size_t cap_ = 0, count_ = 0;
   int shift_ = 64;
+  bool null_live_ = false;
+  uint64_t null_size_ = 0;
 };
 
 constexpr size_t kBufRecords = 1 << 15;  // 1.5 MiB blocks: one write(2) per 32k events

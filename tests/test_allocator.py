@@ -192,6 +192,25 @@ def test_unknown_free_ignored_and_reset_peak(trace):
     lib.mt_host_free(q, 10)
 
 
+def test_null_pointer_frees_match_no_empty_slot(trace):
+    """torch's raw deleter may be called with nullptr. The pointer table marks empty slots with 0, so a lookup of
+    nullptr once matched an empty slot and subtracted that slot's stale size (seen as a 12-byte gap between the
+    allocator's peak and the replay in a TP=2 run). Counters must equal the replay of the file."""
+    lib = A.lib()
+    sizes = (16, 32, 48)
+    ptrs = [lib.mt_host_malloc(n) for n in sizes]
+    for p, n in zip(ptrs, sizes):
+        lib.mt_host_free(p, n)
+    lib.mt_log_free(None, 0, -1, None)       # never allocated: ignored
+    lib.mt_log_malloc(None, 100, -1, None)   # a null key is still an ordinary key
+    lib.mt_log_free(None, 0, -1, None)
+    lib.mt_log_free(None, 0, -1, None)       # freed twice: the second is unknown
+    counters = (A.live_bytes(), A.peak_bytes())
+    A.close()
+    _, recs = read_trace(f"{trace}.trace")
+    assert counters == replay(recs) == (0, 100)
+
+
 def test_reopen_starts_with_an_empty_pointer_map(tmp_path):
     """A pointer still live when one trace closes must not leak into the next trace's counters."""
     lib = A.lib()
