@@ -10,8 +10,8 @@ backward) are counted per step by p2p_counts.
 from __future__ import annotations
 
 from estimator._record import dataclass, field
-from itertools import accumulate
-from operator import add
+from itertools import accumulate, repeat
+from operator import add, mul
 
 Step = tuple  # Tuple[str, int, int]: ("F" | "B", microbatch, model chunk)
 
@@ -352,7 +352,9 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
         while tops[start] < thr:
             start += 1
         counts = _p2p_counts_coded(sc, vn, recv, sends, bool(vp), start, stop)
-        tops = [-_INF] * start + [lv + (x + n * p2p) for lv, x, n in zip(levels[start:stop], extras[start:stop], counts)]
+        # lv + (x + n * p2p) per step, in C (the same float operations in the same order)
+        tops = [-_INF] * start
+        tops += map(add, levels[start:stop], map(add, extras[start:stop], map(mul, counts, repeat(p2p, stop - start))))
     if p2p:
         p2p_end = 2 * sum(recv)  # every receiving chunk keeps its last input and its grad past the last step
     peak, where, at, act = level0, "start", -1, 0.0
