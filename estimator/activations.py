@@ -35,10 +35,13 @@ def _determined(fset, fo, quantity: str) -> bool:
     return hit
 
 
-def _op_rows(fset, ops, sw, env):
+def _op_rows(fset, ops, sw, env, fallbacks: set):
+    """(op, saved, fwd, bwd) per op; adds the (op, quantity) pairs taken from the fallback set to `fallbacks`."""
     rows = []
     for op in ops:
-        fo = F.select(fset, op, sw)
+        fo, used = F.select_and_fallbacks(fset, op, sw)
+        if used:
+            fallbacks.update(used)
         rows.append((op, *(F.evaluate_selected(fset, op, fo, env) if fo else (0.0, 0.0, 0.0))))
     return rows
 
@@ -63,14 +66,15 @@ class LayerCache:
     def __init__(self, fset, cfg):
         self.fset, self.cfg = fset, cfg
         self.env = F.variables(cfg)
-        self.sw = F.switches(cfg)
+        self.sw = F.switches(cfg, self.env)
         self._cache: Dict[Tuple[bool, str], List[Tuple[str, float, float, float]]] = {}
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st  # one sequence-sharded hidden state: pp recv input, checkpoint input
         # Layer backward peaks measured per point (FORMATS 4) exclude what the head's backward leaves live through
         # the decoder (the hidden-state gradient, a tied embedding's weight gradient, loss scalars): the set's
         # `backward_held`, None where it does not determine it.
-        fo = F.select(fset, HELD_OP, self.sw)
+        fo, used = F.select_and_fallbacks(fset, HELD_OP, self.sw)
+        self._fallbacks = set(used)  # (op, quantity) pairs the evaluated rows took from the fallback set
         self.held = fo.evaluate(self.env)[2] if fo is not None and _determined(fset, fo, "bwd_peak") else None
         self.bwd_points: Dict[Tuple[bool, str], bool] = {}
         self.units: Dict[Any, Tuple[tuple, float]] = {}  # chunk_activations' layer / checkpoint-group units
@@ -90,20 +94,13 @@ class LayerCache:
     def layer_rows(self, moe: bool, recompute: str):
         key = (moe, recompute)
         if key not in self._cache:
-            sw, ops = self._query(key)
-            self._cache[key] = _op_rows(self.fset, ops, sw, self.env)
+            sw = dict(self.sw, moe=moe, recompute=recompute)
+            ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
+            self._cache[key] = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(
                 pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))
         return self._cache[key]
-
-    def _query(self, key) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
-        """(switches, ops) behind a row-cache key: (moe, recompute) for a layer, (None, ops) for model ops."""
-        if key[0] is None:
-            return self.sw, key[1]
-        moe, recompute = key
-        ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
-        return dict(self.sw, moe=moe, recompute=recompute), ops
 
     def held_bwd(self, kinds, first: bool, last: bool) -> Tuple[float, float]:
         """(bytes to add to a unit's backward for what the backward holds from before it, and for its output
@@ -119,19 +116,13 @@ class LayerCache:
         return held, self.hidden
 
     def fallbacks(self) -> set:
-        """(op, quantity) pairs this config's evaluated rows took from the fallback set."""
-        out = set()
-        for key in self._cache:
-            sw, ops = self._query(key)
-            for op in ops:
-                out.update(F.fallbacks_used(self.fset, op, sw))
-        out.update(F.fallbacks_used(self.fset, HELD_OP, self.sw))
-        return out
+        """(op, quantity) pairs this config's evaluated rows (and backward_held) took from the fallback set."""
+        return set(self._fallbacks)
 
     def model_rows(self, ops):
         key = (None, ops)
         if key not in self._cache:
-            self._cache[key] = _op_rows(self.fset, ops, self.sw, self.env)
+            self._cache[key] = _op_rows(self.fset, ops, self.sw, self.env, self._fallbacks)
         return self._cache[key]
 
 

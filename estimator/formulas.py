@@ -424,12 +424,13 @@ def attention_kernel(cfg: Any) -> str:
     return "unfused"
 
 
-def switches(cfg: Any) -> Dict[str, Any]:
+def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
+    """The config's switches (SWITCHES); env: variables(cfg), when the caller has it already."""
     rg = _get(cfg, "recompute_granularity", None)
     if _get(cfg, "recompute_activations", False) and not rg:
         rg = "selective"
     pos = _get(cfg, "position_embedding_type", "learned_absolute")
-    v = variables(cfg)
+    v = env if env is not None else variables(cfg)
     return {
         "attention": attention_kernel(cfg),
         "sp": bool(_get(cfg, "sequence_parallel", False)),
@@ -452,6 +453,11 @@ def select(fset: FormulaSet, op: str, sw: Any) -> Optional[Formula]:
     the set leaves undetermined (or an op it lacks) taken from its fallback set. `sw` is a switch dict or a config.
     None when neither set has a formula for the op/switches."""
     return _selection(fset, op, sw)[0]
+
+
+def select_and_fallbacks(fset: FormulaSet, op: str, sw: Any) -> Tuple[Optional[Formula], Tuple[Tuple[str, str], ...]]:
+    """(select(fset, op, sw), fallbacks_used(fset, op, sw)) from one lookup."""
+    return _selection(fset, op, sw)
 
 
 def fallbacks_used(fset: FormulaSet, op: str, sw: Any) -> Tuple[Tuple[str, str], ...]:
