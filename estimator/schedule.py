@@ -10,8 +10,8 @@ backward) are counted per step by p2p_counts.
 from __future__ import annotations
 
 from estimator._record import dataclass, field
-from itertools import accumulate, repeat
-from operator import add, mul
+from itertools import accumulate
+from operator import add
 
 Step = tuple  # Tuple[str, int, int]: ("F" | "B", microbatch, model chunk)
 
@@ -289,11 +289,14 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
 
     w = warmup_count(pp, rank, M, vp, group)  # order()'s warmup forwards (== the `warmup` simulate() is given)
     saved = [ch.saved for ch in used]
-    neg = [-x for x in saved]
-    fx = [ch.fwd_extra for ch in used]
-    bx = [ch.bwd_extra for ch in used]
+    vn = len(used)
+    # Steps as codes: forward of chunk c -> c, backward of chunk c -> vn + c; a step's level change and transient
+    # are then one lookup each.
+    dsel = saved + [-x for x in saved]
+    xsel = [ch.fwd_extra for ch in used] + [ch.bwd_extra for ch in used]
     vlast = (vp or 1) - 1
-    # Chunk of forward j (cf[j]) and of backward j (cb[j] = vlast - cf[j]), from the schedule table.
+    # Code of forward j (cf[j]) and of backward j (cbc[j] = vn + cb[j], cb[j] = vlast - cf[j]), from the schedule
+    # table.
     if vp:
         g = group or pp
         P = g * vp
@@ -302,10 +305,11 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
         r_last = M - n_full * g
         pat = [c for c in range(vp) for _ in range(g)]
         cf = pat * n_full + [c for c in range(vp) for _ in range(r_last)]
-        cb = [vlast - c for c in pat] * n_full + [vlast - c for c in range(vp) for _ in range(r_last)]
+        cbc = [vn + vlast - c for c in pat] * n_full + [vn + vlast - c for c in range(vp) for _ in range(r_last)]
     else:
         P, J = 1, M
-        cf = cb = [0] * M
+        cf = [0] * M
+        cbc = [1] * M
     S_ = total - w  # steady 1F1B pairs
     skip_from = skip_to = S_
     lim = min(S_, J - w)
@@ -316,18 +320,15 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
         skip_to = first + ((lim - first) // P) * P
     # The kept steps in order: warmup forwards, steady pairs [0, skip_from) and [skip_to, S_), cooldown backwards.
     pf = cf[w: w + skip_from] + cf[w + skip_to: w + S_]
-    pb = cb[:skip_from] + cb[skip_to:S_]
     n2 = 2 * len(pf)
-    head = cf[:w]
-    tail = cb[S_:]
-    d_pairs = [0] * n2
-    d_pairs[0::2] = map(saved.__getitem__, pf)
-    d_pairs[1::2] = map(neg.__getitem__, pb)
-    x_pairs = [0] * n2
-    x_pairs[0::2] = map(fx.__getitem__, pf)
-    x_pairs[1::2] = map(bx.__getitem__, pb)
-    deltas = [*map(saved.__getitem__, head), *d_pairs, *map(neg.__getitem__, tail)]
-    extras = [*map(fx.__getitem__, head), *x_pairs, *map(bx.__getitem__, tail)]
+    sc = cf[:w]
+    sc += pf
+    sc += pf  # placeholders, overwritten below
+    sc[w: w + n2: 2] = pf
+    sc[w + 1: w + n2: 2] = cbc[:skip_from] + cbc[skip_to:S_]
+    sc += cbc[S_:]
+    deltas = [dsel[x] for x in sc]
+    extras = [xsel[x] for x in sc]
     level0 = float(static_bytes)
     levels = list(accumulate(deltas, initial=level0))
     tops = list(map(add, levels, extras))  # levels[i]: the level before kept step i
@@ -335,12 +336,6 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     if p2p and tops:
         # The pipeline p2p tensors live at each kept step (p2p_counts over the kept steps: the skipped whole periods
         # leave the per-chunk in-flight state unchanged).
-        vn = len(used)
-        sc = list(head)  # kept steps as codes: forward of chunk c -> c, backward of chunk c -> vn + c
-        sc += [0] * n2
-        sc[w::2] = pf
-        sc[w + 1::2] = [vn + c for c in pb]
-        sc += [vn + c for c in tail]
         n_max = 2 * sum(recv) + 2
         # A step's p2p count is at most n_max, so a step whose top without p2p tensors is more than n_max * p2p
         # below the highest such top cannot hold the peak (left at -inf); counts are needed from the first step
@@ -351,10 +346,16 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
             stop -= 1
         while tops[start] < thr:
             start += 1
-        counts = _p2p_counts_coded(sc, vn, recv, sends, bool(vp), start, stop)
-        # lv + (x + n * p2p) per step, in C (the same float operations in the same order)
-        tops = [-_INF] * start
-        tops += map(add, levels[start:stop], map(add, extras[start:stop], map(mul, counts, repeat(p2p, stop - start))))
+        # Kept pairs [skip_to, lim) repeat pairs [skip_to - q*P, lim - q*P), which lie in [1, P + 1) and were
+        # kept: same levels, tops and counts, so never a new peak (a tie goes to the earlier step). Left at -inf.
+        rem_lo = w + 2 * skip_from
+        rem_hi = rem_lo + 2 * (lim - skip_to if skip_to > skip_from else 0)
+        new_tops = [-_INF] * len(tops)
+        for lo, hi in ((start, min(stop, rem_lo)), (max(start, rem_hi), stop)):
+            if lo < hi:
+                counts = _p2p_counts_coded(sc, vn, recv, sends, bool(vp), lo, hi)
+                new_tops[lo:hi] = [lv + (x + n * p2p) for lv, x, n in zip(levels[lo:hi], extras[lo:hi], counts)]
+        tops = new_tops
     if p2p:
         p2p_end = 2 * sum(recv)  # every receiving chunk keeps its last input and its grad past the last step
     peak, where, at, act = level0, "start", -1, 0.0
@@ -391,7 +392,7 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
                 act = (before - level0) + saved[c]
                 where = f"forward mb={mb} chunk={c} ({stage}, {others} others in flight)"
             else:
-                c = cb[j]
+                c = cbc[j] - vn
                 act = before - level0
                 where = f"backward mb={mb} chunk={c} ({stage}, {others} others in flight)"
     top = levels[-1] + (optimizer_transient + p2p_end * p2p if p2p else optimizer_transient)
