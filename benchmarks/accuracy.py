@@ -116,7 +116,9 @@ def cached(run_dir: str, cfg: dict, iterations: int) -> bool:
             info = json.load(fh)
     except (OSError, json.JSONDecodeError):
         return False
-    return (info.get("argv") == cfg["argv"] and info.get("nproc") == cfg["nproc"]
+    from fit.campaign import launcher_flags
+    return (info.get("argv") == cfg["argv"] and info.get("launcher", []) == launcher_flags(cfg["argv"])
+            and info.get("nproc") == cfg["nproc"]
             and info.get("iterations") == iterations and is_complete(run_dir, cfg["nproc"]))
 
 
@@ -128,8 +130,9 @@ def profile(cfg: dict, out_dir: str, iterations: int, timeout: float) -> float:
         shutil.rmtree(partial)
     os.makedirs(partial)
     log = os.path.join(out_dir, cfg["name"] + ".log")
+    from fit.campaign import launcher_flags
     cmd = [sys.executable, "-m", "tracer.profile", "--cpu", "--nproc", str(cfg["nproc"]), "--out", partial,
-           "--iterations", str(iterations), "--", *cfg["argv"]]
+           "--iterations", str(iterations), *launcher_flags(cfg["argv"]), "--", *cfg["argv"]]
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as fh:
         fh.write(" ".join(cmd) + "\n")
@@ -145,7 +148,8 @@ def profile(cfg: dict, out_dir: str, iterations: int, timeout: float) -> float:
             tail = [l.strip() for l in fh if l.strip()][-1:] or [""]
         raise BenchError(f"{cfg['name']}: profiler exit {rc}, traces incomplete (log: {log}): {tail[0]}")
     with open(os.path.join(partial, RUN_INFO), "w", encoding="utf-8") as fh:
-        json.dump({"name": cfg["name"], "argv": cfg["argv"], "nproc": cfg["nproc"], "iterations": iterations}, fh)
+        json.dump({"name": cfg["name"], "argv": cfg["argv"], "launcher": launcher_flags(cfg["argv"]),
+                   "nproc": cfg["nproc"], "iterations": iterations}, fh)
     if os.path.isdir(final):
         shutil.rmtree(final)
     os.rename(partial, final)

@@ -95,6 +95,12 @@ def config_argv(base: list, c: dict) -> tuple[list, int]:
     return argv, int(nproc)
 
 
+def launcher_flags(argv: list) -> list:
+    """Profiler options a config needs besides its Megatron flags: MoE configs are traced with balanced routing
+    (tracer/moe_routing.py), so their expert buffers are functions of the shapes that a formula can fit."""
+    return ["--balanced-routing"] if _flag_int(argv, "--num-experts", 0) > 0 else []
+
+
 # ------------------------------------------------------------------------------------------------- runs
 def is_complete(run_dir: str, cfg: Config) -> bool:
     """Every rank's header is final (written after the run) and its trace file exists."""
@@ -112,15 +118,18 @@ def is_complete(run_dir: str, cfg: Config) -> bool:
 
 
 def recorded_argv(run_dir: str):
+    """(Megatron argv, launcher flags) the run was traced with; (None, None) without a readable record."""
     try:
         with open(os.path.join(run_dir, RUN_INFO), encoding="utf-8") as fh:
-            return json.load(fh).get("argv")
+            info = json.load(fh)
     except (OSError, json.JSONDecodeError):
-        return None
+        return None, None
+    return info.get("argv"), info.get("launcher", [])
 
 
 def profile_command(cfg: Config, out: str, iterations: int, device: str) -> list:
-    cmd = [sys.executable, "-m", "tracer.profile", "--out", out, "--iterations", str(iterations)]
+    cmd = [sys.executable, "-m", "tracer.profile", "--out", out, "--iterations", str(iterations),
+           *launcher_flags(cfg.argv)]
     if device == "cpu":
         return cmd + ["--cpu", "--nproc", str(cfg.nproc), "--", *cfg.argv]
     return cmd + ["--", "--nproc_per_node", str(cfg.nproc), *cfg.argv]
@@ -143,7 +152,8 @@ def run_one(cfg: Config, out_dir: str, iterations: int, device: str, timeout: fl
     if rc != 0 or not is_complete(partial, cfg):
         return False, f"profiler exit {rc}, traces incomplete (log: {log}): {_last_line(log)}"
     with open(os.path.join(partial, RUN_INFO), "w", encoding="utf-8") as fh:
-        json.dump({"name": cfg.name, "argv": cfg.argv, "nproc": cfg.nproc, "iterations": iterations}, fh)
+        json.dump({"name": cfg.name, "argv": cfg.argv, "launcher": launcher_flags(cfg.argv), "nproc": cfg.nproc,
+                   "iterations": iterations}, fh)
     os.replace(partial, final)
     return True, ""
 
@@ -198,7 +208,8 @@ def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None =
         if os.path.isdir(d):
             if not resume:
                 raise GridError(f"{d} exists: pass --resume to continue this campaign, or choose another --out")
-            if recorded_argv(d) not in (None, c.argv):
+            argv, launcher = recorded_argv(d)
+            if argv is not None and (argv, launcher) != (c.argv, launcher_flags(c.argv)):
                 raise GridError(f"{d} was traced with a different command line than the grid now gives; "
                                 f"move it away or use another --out")
             if is_complete(d, c):

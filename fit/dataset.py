@@ -143,6 +143,10 @@ def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
     cfg = hdr.get("config")
     if not isinstance(cfg, dict):
         raise DatasetError(f"{path}: rank header has no 'config' (not written by the profiler?)")
+    if cfg.get("num_experts") and hdr.get("routing") != "balanced":
+        raise DatasetError(f"{path}: an MoE run traced without --balanced-routing: its expert buffers follow the "
+                           f"router's data-dependent choices, which no formula of the shapes fits; profile it again "
+                           f"with python -m tracer.profile --balanced-routing")
     info = RunInfo(path=path, config=cfg, argv=list(hdr.get("argv", [])), device=str(hdr.get("device", "?")),
                    backend=str(hdr.get("backend", "?")), versions=dict(hdr.get("versions", {})),
                    world_size=int(hdr.get("world_size", len(ranks))), iterations=int(hdr.get("iterations", 0)),

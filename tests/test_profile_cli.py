@@ -22,6 +22,12 @@ def test_options_before_double_dash_and_megatron_flags_after():
     assert o.flags == ["--cpu-like", *MODEL]
 
 
+def test_balanced_routing_is_a_launcher_option_not_a_megatron_flag():
+    o = parse_options(["--cpu", "--balanced-routing", "--", *MODEL])
+    assert o.balanced_routing and o.flags == MODEL
+    assert not parse_options(["--", "--balanced-routing"]).balanced_routing
+
+
 def test_options_mixed_with_flags_without_double_dash():
     o = parse_options([*MODEL[:4], "--cpu", "--iterations", "2", *MODEL[4:]])
     assert o.cpu and o.iterations == 2 and o.flags == MODEL

@@ -1,11 +1,13 @@
 """Profiling launcher: run a few real Megatron iterations with the tracing allocator, one trace per rank.
 
-    python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N]
+    python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N] [--balanced-routing]
                              [--target harness|PATH/TO/pretrain_gpt.py] [--] <Megatron-LM flags>
 
 GPU: run it under torchrun (`torchrun $DISTRIBUTED_ARGS -m tracer.profile ...`); started without torchrun it
 re-launches itself through torch.distributed.run with the torchrun flags found on its command line.
 `--cpu`: spawns N gloo processes itself (N = --nproc, else --nproc_per_node, else 1).
+`--balanced-routing`: MoE routers send every expert the same number of tokens (tracer/moe_routing.py), so MoE
+buffers depend on the config's shapes only; the fit campaign profiles MoE configs this way.
 Each rank writes `<out>/rank<R>.trace`, `.names` and `.json` (docs/FORMATS.md 2.4).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-USAGE = ("usage: python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N] "
+USAGE = ("usage: python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N] [--balanced-routing] "
          "[--target harness|PATH/TO/pretrain_gpt.py] [--] <Megatron-LM flags>")
 _TORCHRUN = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
              "--master_addr", "--master-addr", "--master_port", "--master-port"}
@@ -38,6 +40,7 @@ class _Help(Exception):
 @dataclass
 class Options:
     cpu: bool = False
+    balanced_routing: bool = False
     nproc: int | None = None
     out: str = "memtrace_out"
     iterations: int = 3
@@ -63,6 +66,9 @@ def parse_options(argv: list[str]) -> Options:
         name, eq, inline = tok.partition("=")
         if name == "--cpu":
             opts.cpu = True
+            continue
+        if name == "--balanced-routing":
+            opts.balanced_routing = True
             continue
         if name in ("--nproc", "--out", "--iterations", "--target"):
             if eq:
@@ -314,7 +320,8 @@ def worker(opts: Options) -> int:
               "config": cfg.to_dict() if cfg is not None else None, "argv": list(opts.flags),
               "device": "cpu" if cpu else torch.cuda.get_device_name(),
               "backend": backend, "versions": versions(), "iterations": opts.iterations,
-              "target": "harness" if opts.is_harness else "pretrain_gpt"}
+              "target": "harness" if opts.is_harness else "pretrain_gpt",
+              "routing": "balanced" if opts.balanced_routing else "model"}
     hpath = prefix + ".json"
     write_header(hpath, header)
     scopes.enable()
@@ -325,6 +332,9 @@ def worker(opts: Options) -> int:
             _init_distributed(cpu, rank, world)   # a pretrain_gpt.py initialises its own (Megatron's options)
         scopes.attach_module_hooks()
         scopes.patch_megatron()
+        if opts.balanced_routing:
+            from tracer import moe_routing
+            moe_routing.install()
 
         def on_setup(result=None):
             header["coords"] = _coords_or_none()
