@@ -38,6 +38,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "position": ("learned_absolute", "rope", "none"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "moe": (True, False),
+    "moe_comm": (True, False),
     "dropout": (True, False),
     "gqa": (True, False),
     "tp": (True, False),
@@ -440,6 +441,9 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "position": "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none",
         "normalization": "RMSNorm" if _get(cfg, "normalization", "LayerNorm") == "RMSNorm" else "LayerNorm",
         "moe": bool(v["E"]),
+        # The token dispatcher gathers / exchanges tokens only over an expert group larger than one rank, which
+        # changes the MoE layer's allocation pattern (measured: megatron-core 0.16.1, allgather dispatcher).
+        "moe_comm": bool(v["E"]) and v["ep"] * v["etp"] > 1,
         "dropout": bool(_get(cfg, "hidden_dropout", 0.1) or _get(cfg, "attention_dropout", 0.1)),
         "gqa": v["g"] != v["a"],
         "tp": v["t"] > 1,

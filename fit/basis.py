@@ -79,25 +79,38 @@ def variables_of(m: Monomial) -> set[str]:
 # sequence parallelism (/st); attention and MLP interiors by TP (/t); logits by TP over the vocab.
 _STREAM = ["s*b*h/st", "s*b*h", "s*b*h/t"]
 _WEIGHTS = ["h*h/t", "h*f/t", "h*a*d/t", "h*g*d/t", "h", "f/t", "a*d/t", "g*d/t"]
+# MoE with balanced routing (tracer/moe_routing.py): a rank's s*b/st tokens are gathered over the expert-TP x EP
+# group (s*b*ep*etp/st rows of hidden states and of router probabilities), and its local experts receive
+# s*b*k*etp/st of them, each of fe/etp interior width. Zero on dense configs (E = k = 0 there).
+_MOE = ["s*b*k*h*etp/st", "s*b*k*fe/st", "s*b*E*etp/st", "s*b*h*ep*etp/st", "s*b*E*ep*etp/st", "s*b*k*etp/st",
+        "s*b*E/st", "s*b*k/st", "E/ep", "E"]
+# One local expert at a time (its backward, its fc1 output): each of the E experts receives s*b*k*ep*etp/(st*E)
+# of the gathered tokens, of width h, or fe/etp inside the expert; and one expert's weight gradients.
+_ONE_EXPERT = ["s*b*k*h*ep*etp/st*E", "s*b*k*fe*ep/st*E", "h*fe/etp"]
 FAMILIES: dict[str, list[str]] = {
     "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "1"],
     "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "1"],
     "linear_proj": _STREAM + ["s*b*a*d/t", "1"],
     "linear_fc1": _STREAM + ["s*b*f/t", "1"],
     "linear_fc2": _STREAM + ["s*b*f/t", "1"],
-    "mlp": ["s*b*f/t", "s*b*h/st", "s*b*h", "1"],
+    "mlp": ["s*b*f/t", "s*b*h/st", "s*b*h", "1"] + _MOE,
     "layernorm": ["s*b*h/st", "s*b/st", "s*b*a*d/t", "s*b*g*d/t", "s*b*a/t", "s*b*g/t", "1"],
     "self_attention": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*d", "1"],
-    "layer": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS,
+    "layer": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS + _MOE,
+    # The layer basis for parts of dense layers only (the MoE atoms are 0 there) and of MoE layers only.
+    "layer_dense": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS,
+    "layer_moe": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _MOE + _ONE_EXPERT
+                 + ["h*h/t", "h*a*d/t", "h*g*d/t", "h*E", "h"],
     "embedding": ["s*b*h/st", "s*b*h", "s*b", "s*h", "v*h/t", "1"],
     "output_layer": ["s*b*v/t", "s*b*h/st", "s*b*h", "s*b", "v*h/t", "1"],
     # The loss op also carries the whole loss head's backward transient (FORMATS 4): the output layer's input
     # and weight gradients and the final norm's gradients come after the logits' terms.
     "loss": ["s*b*v/t", "s*b", "s*b/t", "b", "s", "1", "s*b*h/st", "s*b*h", "v*h/t"],
     "router": ["s*b*E/st", "s*b*k/st", "s*b*h/st", "s*b*E", "s*b*k", "s*b/st", "E", "1"],
-    "experts": ["s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st", "E/ep", "1"],
+    "experts": ["s*b*k*h*etp/st", "s*b*k*fe/st", "s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st",
+                "E/ep", "1"],
     "shared_experts": ["s*b*fs/t", "s*b*h/st", "s*b*h", "1"],
-    "token_dispatcher": ["s*b*k*h/st", "s*b*k*h", "s*b*k/st", "s*b*E/st", "E/ep", "1"],
+    "token_dispatcher": _MOE + ["s*b*k*h/st", "s*b*k*h", "1"],
     # The optimizer step (torch AdamW on CPU, one parameter at a time): parameter-sized temporaries (two of the
     # current parameter while the previous one's is still referenced: Pstep), or ones of the largest tensor, or of
     # all parameters the rank's optimizer holds (per-stage variables, FORMATS 4).
@@ -142,9 +155,13 @@ def family(op: str) -> str:
     return "layer"  # widest basis for anything unrecognised
 
 
-def candidates(op: str) -> list[Monomial]:
-    """Ordered candidate monomials for `op`: atoms times e first, then the same atoms bare."""
-    atoms = [parse_monomial(a) for a in FAMILIES[family(op)]]
+def candidates(op: str, moe: bool | None = None) -> list[Monomial]:
+    """Ordered candidate monomials for `op`: atoms times e first, then the same atoms bare. `moe`: the data are
+    all MoE layers (True) or all dense (False); the layer op then takes the basis of that kind."""
+    fam = family(op)
+    if fam == "layer" and moe is not None:
+        fam = "layer_moe" if moe else "layer_dense"
+    atoms = [parse_monomial(a) for a in FAMILIES[fam]]
     out: list[Monomial] = []
     for m in [times(a, "e") for a in atoms] + atoms:
         if m not in out:

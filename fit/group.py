@@ -17,9 +17,10 @@ from .dataset import METRICS, Sample
 from .solve import Fit, FitRefused, fit_group, leave_one_out
 
 # Switches most likely to change what an op saves come first, so ties between equally small S prefer them.
-SWITCH_ORDER = ("attention", "recompute", "moe", "activation", "position", "normalization", "gqa", "dropout",
+SWITCH_ORDER = ("attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization", "gqa", "dropout",
                 "sp", "dtype", "tp")
 MOE_VARS = ("E", "k", "fs", "ep")
+NOT_ALIGNED = "points do not align"
 LOO_EXACT_LIMIT = 1e-6      # an exact formula must predict held-out configs exactly (up to float printing)
 
 
@@ -54,6 +55,8 @@ def domain(when: dict) -> tuple[set, dict]:
     if when.get("moe") is False:
         fixed.update(MOE_VARS)
         ties.update({"fe": "f", "etp": "t"})
+    elif when.get("moe") is True and when.get("moe_comm") is False:
+        fixed.update(("ep", "etp"))     # an expert group of one rank
     return fixed, ties
 
 
@@ -68,7 +71,16 @@ class _OpFitter:
     def __init__(self, op: str, samples: list[Sample], peak_bound: float = 0.0, **kw):
         self.op, self.samples, self.kw, self.peak_bound = op, samples, kw, peak_bound
         self.cands = basis.candidates(op)
+        self._cands_by_moe: dict = {}
         self.cache: dict = {}
+
+    def cands_for(self, part: list[Sample]) -> list:
+        """The op's candidates for a part: a part of MoE layers only, or of dense layers only, gets the layer
+        basis of its kind (basis.candidates), which also keeps the exhaustive point search small."""
+        moe = constant_switches(part).get("moe")
+        if moe not in self._cands_by_moe:
+            self._cands_by_moe[moe] = basis.candidates(self.op, moe)
+        return self._cands_by_moe[moe]
 
     def fit_metric(self, part: list[Sample], metric: str):
         """Fit or refusal reason (str) for one metric of one part; None when the part has no such data."""
@@ -78,45 +90,95 @@ class _OpFitter:
             if not have:
                 self.cache[key] = None
             elif all(s.points.get(metric) for s in have):
-                self.cache[key] = self.fit_points(have, metric, part)
+                r = self.fit_points(have, metric, part)
+                if isinstance(r, str) and r.startswith(NOT_ALIGNED):
+                    # The allocation pattern changes with the shapes (an MoE layer loops over its local experts):
+                    # no point matches across configs, but the layer's maximum may still be one formula.
+                    whole = self.fit_scalar(have, metric, part)
+                    if isinstance(whole, Fit):
+                        whole.notes.append(f"{r}: fitted as the layer's maximum, not per point")
+                        r = whole
+                    else:
+                        r = f"{r}; as the layer's maximum: {whole}"
+                self.cache[key] = r
             else:
-                fixed, ties = domain(constant_switches(part))
-                try:
-                    fit = fit_group([s.point for s in have], [s.values[metric] for s in have],
-                                    self.cands, fixed=fixed, ties=ties,
-                                    bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
-                    fit.runs_used, fit.pins = sorted({s.run for s in have}), (fixed, ties)
-                    self.cache[key] = fit
-                except FitRefused as exc:
-                    self.cache[key] = str(exc)
+                self.cache[key] = self.fit_scalar(have, metric, part)
         return self.cache[key]
+
+    def fit_scalar(self, have: list[Sample], metric: str, part: list[Sample]):
+        """One formula for the metric's value per config (a peak may be an upper bound: self.peak_bound)."""
+        fixed, ties = domain(constant_switches(part))
+        try:
+            fit = fit_group([s.point for s in have], [s.values[metric] for s in have],
+                            self.cands_for(part), fixed=fixed, ties=ties,
+                            bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
+        except FitRefused as exc:
+            return str(exc)
+        fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), self.cands_for(part)
+        return fit
 
     def fit_points(self, have: list[Sample], metric: str, part: list[Sample]):
         """A transient measured per point (the layer op's: a maximum over allocation points whose dominant one
         changes with the shapes): one fit per point, the quantity being their maximum. Every point must be
-        determined (exactly, or by the peak bound); points must align (same count on every config)."""
+        determined (exactly, or by the peak bound); points must align (same count on every config), or else
+        align at both ends of the scope (fit_end_points)."""
         n = {len(s.points[metric][0]) for s in have}
+        if len(n) != 1 and constant_switches(part).get("moe") is True:
+            return self.fit_end_points(have, metric, part)
         if len(n) != 1:
-            return (f"points do not align: {sorted(n)} allocations in the scope on different configs (the "
+            return (f"{NOT_ALIGNED}: {sorted(n)} allocations in the scope on different configs (the "
                     f"allocation pattern changes within this part)")
         idx = [k for k in range(n.pop()) if any(s.points[metric][1][k] for s in have)]
         fixed, ties = domain(constant_switches(part))
-        fits, dropped = [], []
+        fits, dropped, failed = [], [], []
         for k in idx:
             try:
-                fit = fit_group([s.point for s in have], [s.points[metric][0][k] for s in have], self.cands,
-                                fixed=fixed, ties=ties, bound=0.0, **{"exhaustive": POINT_EXHAUSTIVE, **self.kw})
+                fit = self.fit_point(have, metric, k, fixed, ties, self.cands_for(part))
             except FitRefused as exc:
-                if low_point(have, metric, k):
-                    dropped.append(k)
-                    continue
-                return f"point {k + 1}: {exc}"
-            fit.runs_used, fit.pins = sorted({s.run for s in have}), (fixed, ties)
-            fit.point_index = k
+                dropped.append(k)
+                if not low_point(have, metric, k):
+                    failed.append(f"point {point_name(k)}: {exc}")
+                continue
             fits.append(fit)
         if not fits:
-            return "no point could be fitted"
-        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), dropped=dropped)
+            return failed[0] if failed else "no point could be fitted"
+        # A point no formula fits (e.g. a level that depends on whether a communication thread freed its buffer
+        # just before) may be left out only while the fitted points reach the peak on every traced config.
+        if failed and not all(covers_peaks(fits, s, metric) for s in have):
+            return failed[0]
+        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), dropped=dropped,
+                         cands=self.cands_for(part))
+
+    def fit_point(self, have: list[Sample], metric: str, k: int, fixed, ties, cands) -> Fit:
+        """Exact fit of point k (a negative k counts from the scope's end) over the configs; FitRefused if none."""
+        fit = fit_group([s.point for s in have], [s.points[metric][0][k] for s in have], cands,
+                        fixed=fixed, ties=ties, bound=0.0, **{"exhaustive": POINT_EXHAUSTIVE, **self.kw})
+        fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), cands
+        fit.point_index = k
+        return fit
+
+    def fit_end_points(self, have: list[Sample], metric: str, part: list[Sample]):
+        """Points of scopes whose allocation count changes with the shapes (an MoE layer loops over its local
+        experts): the first n and the last n allocations (n = the smallest count) are matched across configs
+        from each end. Every such point that could hold the peak (above LOW_POINT of it on some config) and fits
+        exactly is kept; the transient is accepted only if, on every traced config, the kept points reach the
+        scope's maximum over all its points, the unmatched middle included (covers_peaks)."""
+        counts = sorted({len(s.points[metric][0]) for s in have})
+        reason = (f"{NOT_ALIGNED}: {counts} allocations in the scope on different configs (the allocation "
+                  f"pattern changes within this part)")
+        fixed, ties = domain(constant_switches(part))
+        fits = []
+        for k in list(range(counts[0])) + [-j for j in range(1, counts[0] + 1)]:
+            if low_point(have, metric, k):
+                continue
+            try:
+                fits.append(self.fit_point(have, metric, k, fixed, ties, self.cands_for(part)))
+            except FitRefused:
+                continue
+        missed = [s.run for s in have if not covers_peaks(fits, s, metric)]
+        if missed:
+            return f"{reason}; matched from both ends, the fitted points miss the peak of {len(missed)} config(s)"
+        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), ends=counts, cands=self.cands_for(part))
 
     def formula(self, part: list[Sample], saved_from: list[Sample] | None = None) -> OpFormula:
         """The part's formula; `saved_from` (a superset) supplies the saved-bytes fit when peaks were split."""
@@ -175,7 +237,10 @@ class _OpFitter:
         sequence parallelism gathers): split the part by the switch that determines peaks for the most configs,
         recursively (up to `depth` switches), every piece sharing the part's saved-bytes fit."""
         saved_from = saved_from or part
-        split = self.split_points(part, varying)
+        # MoE layers repeat allocations per local expert, so their counts differ even within one pattern;
+        # points matched from both ends may still determine the whole part, which splitting would only thin out.
+        whole = constant_switches(part).get("moe") is True and self.peaks_covered([part]) == len(part)
+        split = None if whole else self.split_points(part, varying)
         if split is not None:
             return [f for p in split for f in self.refine_peaks(p, varying, saved_from, depth)]
         base = self.peaks_covered([part])
@@ -244,6 +309,17 @@ def low_point(have: list[Sample], metric: str, k: int) -> bool:
     return all(s.points[metric][0][k] <= LOW_POINT * max(s.points[metric][0]) for s in have)
 
 
+def covers_peaks(fits: list, s: Sample, metric: str) -> bool:
+    """The points of `fits` (their measured values on config s) reach s's largest point."""
+    vals = s.points[metric][0]
+    return bool(fits) and max(vals[f.point_index] for f in fits) == max(vals)
+
+
+def point_name(k: int) -> str:
+    """Point k as the notes show it: 1-based from the scope's start, or counted from its end."""
+    return str(k + 1) if k >= 0 else f"{-k} from the end"
+
+
 @dataclass
 class PointsFit:
     """A transient that is the maximum over per-point fits (FORMATS 4: `<op>#<k>` point formulas)."""
@@ -253,6 +329,8 @@ class PointsFit:
     loo_max_rel_err: float | None = None
     loo_undetermined: int = 0
     dropped: list = field(default_factory=list)   # point indices left out (low_point)
+    ends: list | None = None    # allocation counts, when points were matched from both ends (fit_end_points)
+    cands: list | None = None   # the candidate monomials its points were fitted from (leave-one-out refits)
 
     @property
     def exact(self) -> bool:
@@ -272,11 +350,18 @@ class PointsFit:
 
     @property
     def notes(self) -> list:
-        out = [f"point {f.point_index + 1}: {n}" for f in self.fits for n in f.notes]
-        if self.dropped:
-            out.append(f"{len(self.fits)} point(s) fitted; left out (no determined formula, at most "
-                       f"{LOW_POINT:.0%} of the peak on every traced config): allocation(s) "
-                       + ", ".join(str(k + 1) for k in self.dropped))
+        out = [f"point {point_name(f.point_index)}: {n}" for f in self.fits for n in f.notes]
+        if self.ends:
+            out.append(f"the scope allocates {self.ends} times on different configs: points matched from both "
+                       f"ends, {len(self.fits)} fitted; on every traced config they reach the scope's peak (the "
+                       f"unmatched middle stays below it); a config with more repeats than traced is extrapolated")
+        if self.dropped and self.ends:
+            out.append("left out (leave-one-out mispredicts them; the others still reach every traced peak): "
+                       "point(s) " + ", ".join(point_name(k) for k in self.dropped))
+        elif self.dropped:
+            out.append(f"{len(self.fits)} point(s) fitted; left out (no determined formula; at most "
+                       f"{LOW_POINT:.0%} of the peak on every traced config, or below the fitted points' maximum on "
+                       f"every traced config): allocation(s) " + ", ".join(point_name(k) for k in self.dropped))
         return out
 
     @property
@@ -311,6 +396,7 @@ def fit_op(op: str, samples: list[Sample], loo: bool = True, peak_bound: float =
 def _loo_check(fit: Fit, metric: str, samples: list[Sample], cands, peak_bound: float, kw: dict) -> str | None:
     """Fill the fit's leave-one-out error; the refusal reason when it shows an overfit, else None."""
     fixed, ties = fit.pins
+    cands = getattr(fit, "cands", None) or cands
     have = [s for s in samples if s.run in fit.runs_used and s.values.get(metric) is not None]
     if isinstance(fit, PointsFit):
         errs, und, keep = [], 0, []
@@ -321,10 +407,10 @@ def _loo_check(fit: Fit, metric: str, samples: list[Sample], cands, peak_bound: 
                           fixed=fixed, ties=ties, bound=0.0, **{"exhaustive": POINT_EXHAUSTIVE, **kw})
             limit = LOO_EXACT_LIMIT
             if f.loo_max_rel_err is not None and f.loo_max_rel_err > limit:
-                if low_point(have, metric, k):
+                if low_point(have, metric, k) or fit.ends or len(fit.fits) > 1:   # coverage is checked below
                     fit.dropped.append(k)
                     continue
-                return (f"overfitted: point {k + 1}: {f} fits all {f.n_points} configs but leave-one-out "
+                return (f"overfitted: point {point_name(k)}: {f} fits all {f.n_points} configs but leave-one-out "
                         f"mispredicts a held-out one by {f.loo_max_rel_err:.1%}; add configs")
             keep.append(f)
             if f.loo_max_rel_err is not None:
@@ -333,6 +419,8 @@ def _loo_check(fit: Fit, metric: str, samples: list[Sample], cands, peak_bound: 
         fit.fits = keep
         if not keep:
             return "overfitted: no point survives leave-one-out"
+        if fit.dropped and not all(covers_peaks(keep, s, metric) for s in have):
+            return "overfitted: the points that survive leave-one-out miss a traced config's peak"
         fit.loo_max_rel_err, fit.loo_undetermined = (max(errs) if errs else None), und
         return None
     leave_one_out(fit, [s.point for s in have], [s.values[metric] for s in have], cands,

@@ -322,3 +322,57 @@ def test_campaign_refuses_to_mix_into_an_existing_run_without_resume(tmp_path):
         run_campaign("fit/grids/ci_tiny.json", str(tmp_path), resume=False)
     with pytest.raises(GridError, match="incomplete"):
         run_campaign("fit/grids/ci_tiny.json", str(tmp_path), resume=True)
+
+
+# --- transients per allocation point whose count changes with the shapes (MoE: one block per local expert) ------
+MOE_SW = {"attention": "unfused", "recompute": "none", "moe": True, "moe_comm": False, "sp": False, "tp": False,
+          "dtype": "fp32"}
+
+
+def _moe_sample(i, s, b, h, E, middle_peak=False, flaky=None):
+    """A layer backward: two points before the expert loop (the second one the peak), one point per expert, two
+    after; `flaky` adds a point after the head whose level is not a function of the shapes."""
+    pt = {v: F(0) for v in basis.VARIABLES}
+    a = 8 if i % 2 else 4       # heads vary apart from h, so s*b*h and s*b*a*d are told apart
+    pt.update({k: F(x) for k, x in dict(s=s, b=b, h=h, f=4 * h, a=a, g=a, d=h // 8, v=128, E=E, k=1 + i % 3, fe=4 * h,
+                                          t=1, st=1, cp=1, ep=1, etp=1, e=4, L=2).items()})
+    tok = s * b * h * 4
+    head = [tok, 3 * tok] + ([flaky] if flaky is not None else [])
+    experts = [tok // 2 + (4 * tok if middle_peak and j == E - 1 else 0) for j in range(E)]
+    vals = head + experts + [2 * tok, tok // 4]
+    return dataset.Sample(f"run{i}", "layers.*", "layer", pt, dict(MOE_SW), {"saved": 0, "fwd_peak": None,
+                          "bwd_peak": max(vals)}, 1, {}, {"bwd_peak": (tuple(vals), tuple([True] * len(vals)))})
+
+
+MOE_SHAPES = [(32, 2, 64, 4), (64, 1, 64, 8), (32, 3, 96, 4), (48, 2, 128, 6), (16, 4, 80, 8), (40, 1, 64, 2)]
+
+
+def test_points_matched_from_both_ends_when_the_count_changes():
+    samples = [_moe_sample(i, *c) for i, c in enumerate(MOE_SHAPES)]
+    fitter = group._OpFitter("layers.*", samples)
+    fit = fitter.fit_points(samples, "bwd_peak", samples)
+    assert isinstance(fit, group.PointsFit) and fit.ends == [6, 8, 10, 12]
+    assert {f.point_index for f in fit.fits} >= {1}               # the peak point, matched from the start
+    assert all(fit.predict(s.point) == max(s.points["bwd_peak"][0]) for s in samples)
+    assert any("matched from both ends" in n for n in fit.notes)
+
+
+def test_points_matched_from_both_ends_refused_when_the_middle_holds_a_peak():
+    samples = [_moe_sample(i, *c, middle_peak=(i == 2)) for i, c in enumerate(MOE_SHAPES)]
+    fitter = group._OpFitter("layers.*", samples)
+    out = fitter.fit_points(samples, "bwd_peak", samples)
+    assert isinstance(out, str) and out.startswith(group.NOT_ALIGNED) and "miss the peak of 1 config" in out
+
+
+def test_unfittable_point_is_left_out_only_below_the_fitted_peak():
+    # One point takes one of two levels at random (a buffer another thread may or may not have freed first).
+    rng = np.random.default_rng(0)
+    shapes = [(s, b, h, 4) for s, b, h, _ in MOE_SHAPES]
+    below = [_moe_sample(i, *c, flaky=int(rng.choice([1, 2])) * c[0] * c[1] * c[2] * 4 + 4 * i)
+             for i, c in enumerate(shapes)]
+    fit = group._OpFitter("layers.*", below).fit_points(below, "bwd_peak", below)
+    assert isinstance(fit, group.PointsFit) and 2 in fit.dropped
+    assert all(fit.predict(s.point) == max(s.points["bwd_peak"][0]) for s in below)
+    above = [_moe_sample(i, *c, flaky=(5 + i % 2) * c[0] * c[1] * c[2] * 4 + 4 * i) for i, c in enumerate(shapes)]
+    out = group._OpFitter("layers.*", above).fit_points(above, "bwd_peak", above)
+    assert isinstance(out, str) and out.startswith("point 3:")
