@@ -37,6 +37,12 @@ def _determined(fset, fo, quantity: str) -> bool:
 
 def _op_rows(fset, ops, sw, env, fallbacks: set):
     """(op, saved, fwd, bwd) per op; adds the (op, quantity) pairs taken from the fallback set to `fallbacks`."""
+    compiled = F.rows_evaluator(fset, ops, sw)
+    if compiled is not None:  # the same evaluations, compiled into one function per (ops, switches)
+        fn, used = compiled
+        if used:
+            fallbacks.update(used)
+        return fn(env)
     rows = []
     for op in ops:
         fo, used = F.select_and_fallbacks(fset, op, sw)

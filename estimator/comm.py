@@ -126,6 +126,11 @@ class CommReport:
                 "collectives": [c.to_dict() for c in self.collectives], "notes": list(self.notes)}
 
 
+# Group kinds whose groups vary no pipeline coordinate (megatron builds them from tp/cp/ep/dp digits only).
+_ONE_STAGE_KINDS = frozenset(["tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp-cp", "ep", "expert-tp", "expert-dp",
+                              "expert-tp-ep"])
+
+
 def layers_per_stage(cfg: Any) -> list:
     """Decoder layers on each PP rank (all virtual chunks together), megatron's uneven first/last split."""
     pp, n = _g(cfg, "pipeline_model_parallel_size", 1), _g(cfg, "num_layers", 1)
@@ -173,40 +178,53 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     stage_of = {r: p for p in range(pp) for r in stage_ranks[p]}
     rows: list = []
     notes: list = []
-    members: dict = {}  # (group kind, stages) -> (issuing ranks, groups that hold one of them, group size)
+    members_of: dict = {}  # (group kind, stages) -> (issuing ranks, groups that hold one of them, group size)
     stages_hit: dict = {}  # group kind -> (per group the set of stages it touches, per stage its groups)
 
-    def add(dim, op, what, group, shape, dtype, per_mb, stages, phase, per_iter=None, modelled=False, direction=""):
-        nbytes = DTYPE_BYTES.get(dtype, 4)
-        for x in shape:
-            nbytes *= x
-        key = (group, tuple(stages))
-        hit = members.get(key)
-        if hit is None:
-            if len(stages) == 1:
-                ranks = list(stage_ranks[stages[0]])
-            else:
-                ranks = sorted([r for p in stages for r in stage_ranks[p]])
-            all_groups = lay.groups[group]
-            hits = stages_hit.get(group)
-            if hits is None:  # one pass over the groups per kind, instead of one per (kind, stages)
-                touched = [{stage_of[r] for r in g} for g in all_groups]
+    def members(group, stages):
+        """(issuing ranks, groups that hold one of them, group size) of a (group kind, stages) pair."""
+        if len(stages) == 1:
+            ranks = list(stage_ranks[stages[0]])
+        else:
+            ranks = sorted([r for p in stages for r in stage_ranks[p]])
+        all_groups = lay.groups[group]
+        hits = stages_hit.get(group)
+        if hits is None:  # one pass over the groups per kind, instead of one per (kind, stages)
+            if group in _ONE_STAGE_KINDS:
+                # Its groups vary no pipeline coordinate: each lies in the stage of its first rank.
+                touched = None
                 by_stage: list = [[] for _ in range(pp)]
+                for g in all_groups:
+                    by_stage[stage_of[g[0]]].append(g)
+            else:
+                touched = [{stage_of[r] for r in g} for g in all_groups]
+                by_stage = [[] for _ in range(pp)]
                 for g, h in zip(all_groups, touched):
                     for p in h:
                         by_stage[p].append(g)  # group order kept within each stage
-                hits = stages_hit[group] = (touched, by_stage)
-            if len(stages) == 1:
-                groups = list(hits[1][stages[0]])
-            else:
-                wanted = set(stages)
-                groups = [g for g, h in zip(all_groups, hits[0]) if not wanted.isdisjoint(h)]
-            hit = members[key] = (ranks, groups, len(groups[0]) if groups else 1)
+            hits = stages_hit[group] = [touched, by_stage]
+        if len(stages) == 1:
+            groups = list(hits[1][stages[0]])
+        else:
+            if hits[0] is None:
+                hits[0] = [{stage_of[g[0]]} for g in all_groups]
+            wanted = set(stages)
+            groups = [g for g, h in zip(all_groups, hits[0]) if not wanted.isdisjoint(h)]
+        return ranks, groups, len(groups[0]) if groups else 1
+
+    def add(dim, op, what, group, shape, dtype, per_mb, stages, phase, per_iter=None, modelled=False, direction=""):
+        if per_mb == 0 and not per_iter:
+            return  # never issued (every stage has ranks, so this is the only other reason to leave a row out)
+        key = (group, stages[0]) if len(stages) == 1 else (group, tuple(stages))
+        hit = members_of.get(key)
+        if hit is None:
+            hit = members_of[key] = members(group, stages)
         ranks, groups, size = hit
-        if not ranks or per_mb == 0 and not per_iter:
-            return
         if size <= 1:
             return  # a group of one moves nothing
+        nbytes = DTYPE_BYTES.get(dtype, 4)
+        for x in shape:
+            nbytes *= x
         # Rows of one (group kind, stages) share their rank and group lists: read-only once built.
         rows.append(Collective(dim, op, what, group, size, groups, ranks, tuple(shape), dtype, nbytes, per_mb,
                                per_iter if per_iter is not None else per_mb * m, phase, modelled, direction))

@@ -101,7 +101,14 @@ def _compile_quantities(quantities) -> Any:
     thousands of times per second. It does the same float operations in the same order as Term.value summed
     left to right (coef * v1 ** e1 * v2 ** e2 ..., `** 1` dropped: exact), so results are bit-identical.
     Only repr'd variable names and int exponents reach the source; coefficients are the function's globals."""
-    consts: Dict[str, float] = {}
+    consts: Dict[str, Any] = {}
+    src = "lambda env: (" + ", ".join(_quantity_exprs(quantities, consts)) + ",)"
+    return eval(src, {"__builtins__": {}, **consts})  # noqa: S307 -- source built above from validated parts
+
+
+def _quantity_exprs(quantities, consts: Dict[str, Any]) -> List[str]:
+    """One Python expression per quantity (its terms summed left to right from int 0); coefficients are added to
+    `consts` under fresh names."""
     exprs = []
     for terms in quantities:
         parts = ["0"]  # sum() starts from int 0: an empty quantity stays int 0, as before
@@ -115,8 +122,7 @@ def _compile_quantities(quantities) -> Any:
                 factors.append(f"env[{name!r}]" if exp == 1 else f"env[{name!r}] ** {int(exp)!r}")
             parts.append(" * ".join(factors))
         exprs.append(" + ".join(parts))
-    src = "lambda env: (" + ", ".join(exprs) + ",)"
-    return eval(src, {"__builtins__": {}, **consts})  # noqa: S307 -- source built above from validated parts
+    return exprs
 
 
 @dataclass
@@ -510,6 +516,46 @@ def evaluate_selected(fset: FormulaSet, op: str, fo: Formula, env: Mapping[str, 
         _, pf_fwd, pf_bwd = pf.evaluate(env)
         fwd, bwd = max(fwd, pf_fwd), max(bwd, pf_bwd)
     return (saved, fwd, bwd)
+
+
+def rows_evaluator(fset: FormulaSet, ops: Tuple[str, ...], sw: Dict[str, Any]) -> Optional[tuple]:
+    """(fn, fallbacks) for a run of ops under switches `sw`: fn(env) gives [(op, saved, fwd_peak, bwd_peak)] per
+    op, equal to evaluate_selected for each op's selection ((op, 0.0, 0.0, 0.0) where none), and `fallbacks` the
+    (op, quantity) pairs those selections took from the fallback set. One function compiled per (ops, switches):
+    a layer's dozen ops and their point formulas cost one call. None (evaluate op by op) for unhashable switch
+    values, and for the first _COMPILE_AFTER asks: compiling costs more than a one-shot CLI run saves."""
+    try:
+        key = ("rows", ops, tuple(sw.items()))
+        hit = fset._cache.get(key, 0)
+    except TypeError:
+        return None
+    if hit.__class__ is int:
+        if hit < _COMPILE_AFTER:
+            fset._cache[key] = hit + 1
+            return None
+    else:
+        return hit
+    consts: Dict[str, Any] = {"max": max}
+    body, used_all = [], []
+    for i, op in enumerate(ops):
+        consts[f"o{i}"] = op
+        fo, used = select_and_fallbacks(fset, op, sw)
+        used_all += used
+        if fo is None:
+            body.append(f"    r{i} = (o{i}, 0.0, 0.0, 0.0)")
+            continue
+        # evaluate_selected: the formula's three quantities, then each point formula's (all three evaluated,
+        # as Formula.evaluate does), the transients raised to their maximum in order.
+        body.append("    s, f, b = " + ", ".join(_quantity_exprs((fo.saved, fo.fwd_peak, fo.bwd_peak), consts)))
+        for pf in point_formulas(fset, op, fo.when):
+            body.append("    _, pf, pb = " + ", ".join(_quantity_exprs((pf.saved, pf.fwd_peak, pf.bwd_peak), consts)))
+            body.append("    f, b = max(f, pf), max(b, pb)")
+        body.append(f"    r{i} = (o{i}, s, f, b)")
+    src = "def rows(env):\n" + "\n".join(body) + "\n    return [" + ", ".join(f"r{i}" for i in range(len(ops))) + "]\n"
+    ns: Dict[str, Any] = {"__builtins__": {}, **consts}
+    exec(src, ns)  # noqa: S102 -- source built above from validated parts
+    hit = fset._cache[key] = (ns["rows"], tuple(used_all))
+    return hit
 
 
 def evaluate(fset: FormulaSet, op: str, cfg: Any, sw: Optional[Dict[str, Any]] = None,

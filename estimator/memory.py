@@ -50,10 +50,16 @@ def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
     return params
 
 
+def _with_columns(params: List[ParamInfo]) -> tuple:
+    """(params, numels, any expert, shared_embedding flags): a chunk's columns are the concatenation of its parts'."""
+    return (params, [p[0] for p in params], any([p[1] for p in params]), [p[2] for p in params])
+
+
 class Chunk(list):
     """One model chunk's parameters (ParamInfo, named_parameters order). `key` names its content: chunks of one config
     with equal keys (same layer kinds, same place: first/last) hold equal lists, so memos can skip hashing them."""
-    __slots__ = ("key", "cache")  # cache: derived data (grad-buffer layouts), filled by static_memory.chunk_buffer
+    __slots__ = ("key", "cache", "columns")  # cache: derived data (grad-buffer layouts), filled by
+    # static_memory.chunk_buffer; columns: (numels, any expert param, shared_embedding flags), read-only
 
 
 def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -> List[List[ParamInfo]]:
@@ -72,14 +78,23 @@ def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -
         key = ("chunk", kinds, first, last)
         params = by_key.get(key)
         if params is None:
-            params = Chunk(_param_infos(M.head_ops(cfg, first), tied, pp))
+            head = _with_columns(_param_infos(M.head_ops(cfg, first), tied, pp))
+            parts = [head]
             for i, kind in enumerate(kinds):
                 t = templates.get(kind)
                 if t is None:
-                    t = templates[kind] = _param_infos(M.layer_ops(cfg, layer_table[(pp_rank, vp)][i]), tied, pp)
-                params += t
-            params += _param_infos(M.tail_ops(cfg, first, last), tied, pp)
+                    t = templates[kind] = _with_columns(
+                        _param_infos(M.layer_ops(cfg, layer_table[(pp_rank, vp)][i]), tied, pp))
+                parts.append(t)
+            parts.append(_with_columns(_param_infos(M.tail_ops(cfg, first, last), tied, pp)))
+            params = Chunk(head[0])
+            numels, shared = list(head[1]), list(head[3])
+            for t in parts[1:]:
+                params += t[0]
+                numels += t[1]
+                shared += t[3]
             params.key, params.cache = key, {}
+            params.columns = (numels, any([t[2] for t in parts]), shared)
             by_key[key] = params
         chunks.append(params)
     return chunks
@@ -129,7 +144,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
         stage_key = ("stage", tuple([c.key for c in stage_chunks]), r == 0)
         stage = memo.get(stage_key)
         if stage is None:
-            chunks, per_op = [], {}
+            chunks, chunk_ops = [], []
             for c in stage_chunks:
                 hit = memo.get(c.key)
                 if hit is None:
@@ -137,10 +152,8 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                     hit = memo[c.key] = A.chunk_activations(cache, tuple(map(bool, kinds)), first, last,
                                                             recv_input=not first)
                 chunks.append(hit[0])
-                for op, d in hit[1].items():
-                    acc = per_op.setdefault(op, {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0})
-                    acc["saved"] += d["saved"]; acc["count"] += d["count"]
-                    acc["fwd_peak"] = max(acc["fwd_peak"], d["fwd_peak"]); acc["bwd_peak"] = max(acc["bwd_peak"], d["bwd_peak"])
+                chunk_ops.append(hit[1])
+            per_op = _stage_per_op(chunk_ops)
             st = static_memory(cfg, stage_chunks, pp_rank=r, _memo=memo)
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
             base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0)
@@ -165,6 +178,50 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                                   per_op, st, tl if timeline else None))
     top = max(ranks, key=lambda x: x.peak_bytes)
     return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks())
+
+
+def _stage_per_op(chunk_ops: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
+    """A stage's per-op rows from its chunks' (in order): saved bytes and counts summed, peaks maxed."""
+    distinct: Dict[int, list] = {}  # equal chunks share one per-op dict: id -> [dict, how many chunks]
+    for d in chunk_ops:
+        hit = distinct.get(id(d))
+        if hit is None:
+            distinct[id(d)] = [d, 1]
+        else:
+            hit[1] += 1
+    if len(distinct) < len(chunk_ops) and _integral_sums(distinct.values()):
+        # Integer byte counts whose sums stay below 2**53: n additions of x are exactly x * n, in any order.
+        pairs = distinct.values()
+    else:
+        pairs = [(d, 1) for d in chunk_ops]  # one addition per chunk, in chunk order, as floats round
+    per_op: Dict[str, Dict[str, float]] = {}
+    for ops, n in pairs:
+        for op, d in ops.items():
+            acc = per_op.get(op)
+            if acc is None:
+                acc = per_op[op] = {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0}
+            acc["saved"] += d["saved"] * n if n > 1 else d["saved"]
+            acc["count"] += d["count"] * n
+            # max over repeats of a chunk is the max over the chunk once (a tie keeps the accumulator).
+            if d["fwd_peak"] > acc["fwd_peak"]:
+                acc["fwd_peak"] = d["fwd_peak"]
+            if d["bwd_peak"] > acc["bwd_peak"]:
+                acc["bwd_peak"] = d["bwd_peak"]
+    return per_op
+
+
+def _integral_sums(pairs) -> bool:
+    total = 0.0
+    for ops, n in pairs:
+        for d in ops.values():
+            x = d["saved"]
+            if not isinstance(x, (int, float)) or abs(x) >= _EXACT or not float(x).is_integer():
+                return False
+            total += abs(x) * n
+    return total < _EXACT
+
+
+_EXACT = float(1 << 53)
 
 
 def _saved_at(steps, chunks, idx: int) -> float:

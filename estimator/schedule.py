@@ -350,19 +350,23 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
         # kept: same levels, tops and counts, so never a new peak (a tie goes to the earlier step). Left at -inf.
         rem_lo = w + 2 * skip_from
         rem_hi = rem_lo + 2 * (lim - skip_to if skip_to > skip_from else 0)
-        new_tops = [-_INF] * len(tops)
+        # The first highest top over the walked steps (every other step counts as -inf).
+        top, i = -_INF, -1
         for lo, hi in ((start, min(stop, rem_lo)), (max(start, rem_hi), stop)):
             if lo < hi:
                 counts = _p2p_counts_coded(sc, vn, recv, sends, bool(vp), lo, hi)
-                new_tops[lo:hi] = [lv + (x + n * p2p) for lv, x, n in zip(levels[lo:hi], extras[lo:hi], counts)]
-        tops = new_tops
+                seg = [lv + (x + n * p2p) for lv, x, n in zip(levels[lo:hi], extras[lo:hi], counts)]
+                best = max(seg)
+                if best > top:
+                    top, i = best, lo + seg.index(best)
+    elif tops:
+        top = max(tops)
+        i = tops.index(top)
     if p2p:
         p2p_end = 2 * sum(recv)  # every receiving chunk keeps its last input and its grad past the last step
     peak, where, at, act = level0, "start", -1, 0.0
     if tops:
-        top = max(tops)
         if top > peak:
-            i = tops.index(top)
             peak, before = top, levels[i]
             n_pairs_1 = 2 * skip_from  # kept steps of the first steady part
             if i < w:  # warmup forward j = i

@@ -41,15 +41,44 @@ class ParamInfo(tuple):
     ndim = property(itemgetter(3), doc="tensor rank")
 
 
-@dataclass
 class BufferLayout:
-    numel: int                      # elements allocated (with padding)
-    numel_unpadded: int
-    buckets: List[Tuple[int, int]]  # [start, end) per bucket
-    param_ranges: List[Tuple[int, int]]  # [start, end) per param, in the given (forward) order
-    # One-bucket fast path only: (starts, ends) in buffer order (params reversed), ascending and disjoint, so a
-    # shard's elements are two bisections away (shard_param_elements).
-    ascending: Optional[Tuple[List[int], List[int]]] = field(default=None, repr=False, compare=False)
+    """numel: elements allocated (with padding); numel_unpadded; buckets: [start, end) per bucket; param_ranges:
+    [start, end) per param, in the given (forward) order. One-bucket fast path only: ascending, (starts, ends) in
+    buffer order (params reversed), ascending and disjoint, so a shard's elements are two bisections away
+    (shard_param_elements); param_ranges is then built from it when first read (the estimate never reads it).
+    Equality and repr as the record (dataclass) it was: ascending neither compared nor shown."""
+    __slots__ = ("numel", "numel_unpadded", "buckets", "_ranges", "ascending")
+
+    def __init__(self, numel: int, numel_unpadded: int, buckets: List[Tuple[int, int]],
+                 param_ranges: Optional[List[Tuple[int, int]]], ascending: Optional[tuple] = None):
+        self.numel, self.numel_unpadded, self.buckets = numel, numel_unpadded, buckets
+        self._ranges, self.ascending = param_ranges, ascending
+
+    @property
+    def param_ranges(self) -> List[Tuple[int, int]]:
+        if self._ranges is None:
+            starts, ends = self.ascending
+            ranges = list(zip(starts, ends))
+            ranges.reverse()
+            self._ranges = ranges
+        return self._ranges
+
+    @param_ranges.setter
+    def param_ranges(self, value) -> None:
+        self._ranges = value
+
+    def _fields(self) -> tuple:
+        return (self.numel, self.numel_unpadded, self.buckets, self.param_ranges)
+
+    def __eq__(self, other):
+        if other.__class__ is self.__class__:
+            return self._fields() == other._fields()
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self):
+        return "BufferLayout(numel=%r, numel_unpadded=%r, buckets=%r, param_ranges=%r)" % self._fields()
 
 
 def _pad(n: int, m: int) -> int:
@@ -72,11 +101,9 @@ def buffer_layout(numels: Sequence[int], shared: Sequence[bool], dp: int, dist_o
         starts = [0, *accumulate(sizes)]
         starts.pop()
         ends = list(map(add, starts, rev))
-        ranges = list(zip(starts, ends))
-        ranges.reverse()
         end = ends[-1]
         return BufferLayout(_pad(end, divisor) if dist_opt else end, end, [(0, _pad(end, divisor) if dist_opt else end)],
-                            ranges, (starts, ends))
+                            None, (starts, ends))
     pad_end = (lambda i: _pad(i, divisor)) if dist_opt else (lambda i: i)
     ranges: List[Tuple[int, int]] = [(0, 0)] * len(numels)
     buckets: List[Tuple[int, int]] = []
@@ -122,6 +149,21 @@ def chunk_buffer(chunk: Sequence[ParamInfo], expert: bool, dp: int, dist_opt: bo
         hit = cache.get(key)
         if hit is not None:
             return hit
+    columns = getattr(chunk, "columns", None)
+    if columns is not None and not columns[1]:
+        # A memory.Chunk without expert params: its numel and shared_embedding columns, built with it.
+        numels, _, shared = columns
+        if expert or not numels:
+            numels = []
+        out = (numels, buffer_layout(numels, shared, dp, dist_opt, bucket_size) if numels else None)
+    else:
+        out = _chunk_buffer(chunk, expert, dp, dist_opt, bucket_size)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _chunk_buffer(chunk, expert, dp, dist_opt, bucket_size):
     if set(map(type, chunk)) != {ParamInfo}:
         chunk = [p if isinstance(p, ParamInfo) else ParamInfo(*p) for p in chunk]
     flags = list(map(itemgetter(1), chunk))
@@ -130,11 +172,8 @@ def chunk_buffer(chunk: Sequence[ParamInfo], expert: bool, dp: int, dist_opt: bo
     else:
         group = [p for p in chunk if bool(p.expert) == expert]
     numels = list(map(itemgetter(0), group))
-    out = (numels, buffer_layout(numels, list(map(itemgetter(2), group)), dp, dist_opt, bucket_size)
-           if group else None)
-    if cache is not None:
-        cache[key] = out
-    return out
+    return (numels, buffer_layout(numels, list(map(itemgetter(2), group)), dp, dist_opt, bucket_size)
+            if group else None)
 
 
 def shard_param_elements(layout: BufferLayout, dp: int, dp_rank: int) -> int:

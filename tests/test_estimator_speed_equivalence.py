@@ -199,3 +199,100 @@ def test_param_chunks_equal_rank_params(flags):
         table = MODEL.chunk_layer_table(cfg)
         for vp in range(vpp):
             assert table[(r, vp)] == MODEL.stage_layers(cfg, r, vp if vpp > 1 else None)
+
+
+# --- formulas, per-op rows, grad buffers: compiled / merged / columnar paths against the plain ones ----------------
+
+def _grid_configs():
+    import shlex
+
+    from estimator.args import parse_args
+    base = ("--nproc_per_node 8 --num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 64 "
+            "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 16 --vocab-size 1000 ")
+    for flags in ("--pipeline-model-parallel-size 4 --tensor-model-parallel-size 2 --sequence-parallel",
+                  "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 "
+                  "--use-distributed-optimizer",
+                  "--pipeline-model-parallel-size 2 --swiglu --normalization RMSNorm --recompute-activations",
+                  "--pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+                  "--recompute-num-layers 2 --transformer-impl local --use-distributed-optimizer",
+                  "--pipeline-model-parallel-size 2 --num-experts 8 --expert-model-parallel-size 2 --moe-layer-freq 2 "
+                  "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 5000",
+                  "--tensor-model-parallel-size 2 --untie-embeddings-and-output-weights --bf16"):
+        yield parse_args(shlex.split(base + flags))
+
+
+@pytest.mark.parametrize("set_name", ["modelled", "cpu_local"])
+def test_rows_evaluator_equals_evaluate_selected(set_name):
+    from estimator import activations as A
+    from estimator import formulas as F
+    fset = F.load(set_name)
+    for cfg in _grid_configs():
+        env = F.variables(cfg)
+        base_sw = F.switches(cfg, env)
+        for moe in (False, True):
+            for rec in ("none", "selective", "full"):
+                sw = dict(base_sw, moe=moe, recompute=rec)
+                for ops in (A.ATTN_OPS + A.DENSE_MLP_OPS + (A.LAYER_OP,), A.ATTN_OPS + A.MOE_MLP_OPS + (A.LAYER_OP,),
+                            A.FIRST_OPS, A.LAST_OPS):
+                    want, used = [], []
+                    for op in ops:
+                        fo, u = F.select_and_fallbacks(fset, op, sw)
+                        used += u
+                        want.append((op, *(F.evaluate_selected(fset, op, fo, env) if fo else (0.0, 0.0, 0.0))))
+                    for _ in range(F._COMPILE_AFTER):  # op by op (None) until compiling pays
+                        compiled = F.rows_evaluator(fset, ops, sw)
+                        if compiled is not None:
+                            break
+                    fn, got_used = F.rows_evaluator(fset, ops, sw)
+                    got = fn(env)
+                    assert repr(got) == repr(want) and tuple(used) == got_used, (set_name, ops, sw)
+
+
+def _sequential_per_op(chunk_ops):
+    per_op = {}
+    for ops in chunk_ops:
+        for op, d in ops.items():
+            acc = per_op.setdefault(op, {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0})
+            acc["saved"] += d["saved"]
+            acc["count"] += d["count"]
+            acc["fwd_peak"] = max(acc["fwd_peak"], d["fwd_peak"])
+            acc["bwd_peak"] = max(acc["bwd_peak"], d["bwd_peak"])
+    return per_op
+
+
+def test_stage_per_op_equals_sequential_merge():
+    from estimator.memory import _stage_per_op
+    rng = random.Random(11)
+    for _ in range(2000):
+        pool = []
+        for _ in range(rng.randint(1, 3)):
+            ops = {}
+            for name in rng.sample(["a", "b", "c", "d", "e"], rng.randint(1, 4)):
+                pick = rng.random()
+                x = (float(rng.randint(0, 10 ** 6)) if pick < 0.5 else rng.randint(0, 1000) if pick < 0.6
+                     else rng.random() * 1e6 if pick < 0.9 else 0.1 * rng.randint(0, 30))
+                ops[name] = {"saved": x, "fwd_peak": rng.choice([0, 0.0, float(rng.randint(0, 9))]),
+                             "bwd_peak": rng.choice([0.0, float(rng.randint(0, 9)), rng.random()]),
+                             "count": rng.randint(0, 4)}
+            pool.append(ops)
+        chunk_ops = [rng.choice(pool) for _ in range(rng.randint(1, 7))]
+        assert repr(_stage_per_op(chunk_ops)) == repr(_sequential_per_op(chunk_ops))
+
+
+def test_chunk_columns_give_the_generic_grad_buffers():
+    from estimator import memory as MEM
+    from estimator.static_memory import _chunk_buffer, chunk_buffer
+    for cfg in _grid_configs():
+        for chunks in MEM.all_param_chunks(cfg).values():
+            for chunk in chunks:
+                numels, expert, shared = chunk.columns
+                assert numels == [p.numel for p in chunk] and shared == [p.shared_embedding for p in chunk]
+                assert expert == any(p.expert for p in chunk)
+                for is_exp in (False, True):
+                    for dp, dist_opt, bucket in ((1, False, None), (4, True, None), (3, True, 5000), (2, False, 100)):
+                        got = chunk_buffer(chunk, is_exp, dp, dist_opt, bucket)
+                        want = _chunk_buffer(list(chunk), is_exp, dp, dist_opt, bucket)
+                        assert got[0] == want[0] and got[1] == want[1]
+                        if got[1] is not None:
+                            assert got[1].param_ranges == want[1].param_ranges
+                            assert repr(got[1]) == repr(want[1])
