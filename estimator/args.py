@@ -59,6 +59,9 @@ class TrainingConfig:
     expert_tensor_parallel_size: Optional[int] = None  # derived: TP
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str = "allgather"
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_router_load_balancing_type: Any = "aux_loss"   # one type, or a list (Megatron-LM: nargs='+')
     # --- parallelism ---
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -150,6 +153,7 @@ _CHOICES = {
                        "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
                        "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"],
     "moe_token_dispatcher_type": ["allgather", "alltoall", "flex"],
+    "moe_router_score_function": ["softmax", "sigmoid"],
     "recompute_granularity": ["full", "selective"],
     "recompute_method": ["uniform", "block"],
     "transformer_impl": ["local", "transformer_engine", "inference_optimized"],
@@ -194,6 +198,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", "int"),
     "--moe-grouped-gemm": ("moe_grouped_gemm", "true"),
     "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", "str"),
+    "--moe-router-pre-softmax": ("moe_router_pre_softmax", "true"),
+    "--moe-router-score-function": ("moe_router_score_function", "str"),
+    "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "list"),
     "--tensor-model-parallel-size": ("tensor_model_parallel_size", "int"),
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
@@ -616,6 +623,12 @@ def _validate_moe(cfg: TrainingConfig) -> None:
             raise ConfigError("Number of experts should be a multiple of expert model parallel_size.")
     if not cfg.is_moe:
         return
+    balancing = cfg.moe_router_load_balancing_type
+    if isinstance(balancing, list) and len(balancing) == 1:
+        balancing = balancing[0]
+    if (cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax
+            and balancing != "sinkhorn"):
+        raise ConfigError("Please use --moe-router-pre-softmax when topk is 1.")   # megatron-core's own check
     if cfg.moe_router_topk > cfg.num_experts:
         raise ConfigError(f"moe_router_topk ({cfg.moe_router_topk}) must not exceed num_experts "
                           f"({cfg.num_experts})")

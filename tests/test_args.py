@@ -175,6 +175,8 @@ def test_expert_data_parallel_size():
      "--decoder-first-pipeline-num-layers 3",
      dict(num_layers=12, hidden_size=64, num_attention_heads=8, pipeline_model_parallel_size=4,
           virtual_pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=3)),
+    ("--num-experts 4 --moe-router-topk 1",
+     dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_moe_experts=4, moe_router_topk=1)),
 ])
 @pytest.mark.megatron
 def test_validation_messages_match_megatron_core(flags, core_kwargs):
@@ -207,6 +209,20 @@ def test_validation_messages_match_megatron_core(flags, core_kwargs):
 def test_invalid_combinations(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse(flags)
+
+
+@pytest.mark.parametrize("extra", ["--moe-router-pre-softmax", "--moe-router-load-balancing-type sinkhorn",
+                                   "--moe-router-score-function sigmoid"])
+def test_top1_routing_is_valid_with_what_megatron_core_accepts(extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = parse("--num-experts 4 --moe-router-topk 1 " + extra)
+    TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_moe_experts=4, moe_router_topk=1,
+                      moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+                      moe_router_score_function=cfg.moe_router_score_function,
+                      moe_router_load_balancing_type=cfg.moe_router_load_balancing_type[0]
+                      if isinstance(cfg.moe_router_load_balancing_type, list)
+                      else cfg.moe_router_load_balancing_type)   # accepted by megatron-core too
 
 
 def test_missing_required():
