@@ -235,10 +235,12 @@ def mock_batches(cfg, seed: int, iteration: int, num_microbatches: int):
 
     s, b, v = cfg.seq_length, cfg.micro_batch_size, cfg.vocab_size or cfg.padded_vocab_size
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    # Megatron's GPT datasets build a [b, 1, s, s] causal mask (True = masked out).
-    mask = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s).expand(b, 1, s, s)
+    # Lazy, one microbatch at a time, as Megatron's data iterator feeds get_batch: a batch is allocated when the
+    # schedule's forward step asks for it and lives only as long as that microbatch references it.
     for mb in range(num_microbatches):
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+        # Megatron's GPT datasets build a [b, 1, s, s] causal mask (True = masked out).
+        mask = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s).expand(b, 1, s, s)
         first = (mb * dp + dp_rank) * b
         g = torch.Generator().manual_seed(seed * 1_000_003 + first)
         starts = torch.randint(0, v, (b, 1), generator=g)
@@ -323,7 +325,7 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> H
                 m.train()
                 m.zero_grad_buffer()
             optimizer.zero_grad()
-            data = [iter(list(mock_batches(cfg, extra["seed"], it, nmb))) for _ in model]
+            data = [mock_batches(cfg, extra["seed"], it, nmb) for _ in model]
             losses = fwd_bwd(forward_step_func=forward_step,
                              data_iterator=data if len(model) > 1 else data[0],
                              model=model if len(model) > 1 else model[0],
