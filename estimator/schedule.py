@@ -10,8 +10,6 @@ backward) are counted per step by p2p_counts.
 from __future__ import annotations
 
 from estimator._record import dataclass, field
-from itertools import accumulate
-from operator import add
 
 Step = tuple  # Tuple[str, int, int]: ("F" | "B", microbatch, model chunk)
 
@@ -193,60 +191,21 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
 # level after them is the level before them. With pipeline p2p tensors (p2p_counts) a step's count depends on the
 # in-flight microbatches per chunk (the same for pair k and pair k - P), on the chunks of its own pair and on the
 # chunk of backward k - 1 (none before pair 0): the same for pair k and pair k - P once k >= P + 1, so the skip then
-# starts at pair P + 1. This holds exactly only while every sum is exact in floating point, so
-# the short walk is taken only when all byte counts are integers and every partial sum stays below 2**53;
-# otherwise the full schedule is simulated. tests/test_estimator_speed_equivalence.py checks both against each other.
+# starts at pair P + 1. The pairs after the skipped periods up to J - w repeat pairs of the first period too: they
+# move the state but are never looked at.
+#
+# The rest is walked in runs: a run repeats one unit (a forward of chunk a, a backward of chunk b, or a steady pair
+# F a + B b) m times. Inside a run the level moves by the same d per unit, and every unit after the first has the
+# same p2p counts (a run's forwards keep their chunk in flight, its backwards never empty theirs before its last
+# unit, and the neighbour of each step is fixed), except that the last forward of a forward run may precede a
+# backward. So among units 1 .. m-2 the tops are linear in the unit: the first wins a tie (d <= 0) or the last is
+# strictly highest (d > 0); only units 0, 1 (or m-2) and m-1 are looked at, and a run whose highest possible top
+# (highest level + largest transient + every p2p tensor) cannot beat the peak so far is not looked at. All this
+# holds exactly only while every sum is exact in floating point, so the short walk is taken only when all byte
+# counts are integers and every partial sum stays below 2**53; otherwise the full schedule is simulated.
+# tests/test_estimator_speed_equivalence.py checks both against each other.
 
 _EXACT = float(1 << 53)
-_INF = float("inf")
-
-
-def _p2p_counts_coded(sc: Sequence[int], vn: int, recv: Sequence[bool], sends: Sequence[bool], interleaved: bool,
-                      start: int, stop: int) -> List[int]:
-    """p2p_counts(seq, recv, sends, interleaved)[0][start:stop] for seq coded as sc (forward of chunk c: c, backward
-    of chunk c: vn + c): the same walk over plain ints, from the in-flight state the steps before `start` leave."""
-    prefix = sc[:start]
-    fl = [prefix.count(c) - prefix.count(vn + c) for c in range(vn)]
-    held = sum([1 for c in range(vn) if recv[c] and not fl[c]])
-    prev_recv_fl = None  # the last backward's chunk, if it receives its input (else None)
-    for j in range(start - 1, -1, -1):
-        if sc[j] >= vn:
-            if recv[sc[j] - vn]:
-                prev_recv_fl = sc[j] - vn
-            break
-    out = [0] * (stop - start)
-    last = len(sc) - 1
-    for i in range(start, stop):
-        x = sc[i]
-        if x < vn:
-            if recv[x] and not fl[x]:
-                held -= 1
-            n = 2 * held
-            if prev_recv_fl is not None and (fl[prev_recv_fl] or prev_recv_fl == x):
-                n += 1
-            if interleaved and i < last:
-                y = sc[i + 1]
-                if y >= vn and sends[y - vn]:
-                    n += 1
-            fl[x] += 1
-        else:
-            c = x - vn
-            n = 2 * held
-            if prev_recv_fl is not None and fl[prev_recv_fl]:
-                n += 1
-            if interleaved and i > 0:
-                y = sc[i - 1]
-                if y < vn and sends[y]:
-                    n += 1
-            fl[c] -= 1
-            if recv[c]:
-                if not fl[c]:
-                    held += 1
-                prev_recv_fl = c
-            else:
-                prev_recv_fl = None
-        out[i - start] = n
-    return out
 
 
 def _exact(values, total: int) -> bool:
@@ -257,6 +216,221 @@ def _exact(values, total: int) -> bool:
     except (TypeError, ValueError, OverflowError):
         return False
     return sum(map(abs, floats)) * (total + 2) < _EXACT
+
+
+def _chunk_runs(lo: int, hi: int, vp: Optional[int], g: int, M: int, reverse: bool) -> List[Tuple[int, int]]:
+    """(chunk, length) runs of the forward chunk sequence (the backward one when reverse) over virtual microbatch
+    ids [lo, hi): blocks of `g` microbatches per chunk, the last partial group in blocks of what is left."""
+    if not vp:
+        return [(0, hi - lo)] if hi > lo else []
+    P = g * vp
+    J = (M // g) * P
+    r = M - (M // g) * g
+    out = []
+    j = lo
+    while j < hi:
+        if j < J:
+            base = j - j % P
+            c = (j - base) // g
+            end = base + (c + 1) * g
+        else:
+            c = (j - J) // r
+            end = J + (c + 1) * r
+        if end > hi:
+            end = hi
+        out.append((vp - 1 - c if reverse else c, end - j))
+        j = end
+    return out
+
+
+def _pair_runs(fwd: List[Tuple[int, int]], bwd: List[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
+    """(forward chunk, backward chunk, pairs) runs of steady pairs from the two runs lists (equal lengths)."""
+    out = []
+    i = k = 0
+    (a, la), (b, lb) = (fwd[0], bwd[0]) if fwd else ((0, 0), (0, 0))
+    while la:
+        m = la if la < lb else lb
+        out.append((a, b, m))
+        la -= m
+        lb -= m
+        if not la and i + 1 < len(fwd):
+            i += 1
+            a, la = fwd[i]
+        if not lb and k + 1 < len(bwd):
+            k += 1
+            b, lb = bwd[k]
+    return out
+
+
+class _Walk:
+    """simulate() and p2p_counts() over one rank, a unit at a time: the level, the microbatches in flight per chunk,
+    the input-receiving chunks holding nothing (held), the last backward's chunk if it receives (prev), the chunk
+    of the step just run if it was a forward (last_f), forwards / backwards run so far, and the first highest top
+    with (kind, forward or backward index, level before)."""
+    __slots__ = ("saved", "fx", "bx", "recv", "sends", "inter", "p2p", "floor", "level", "fl", "held", "prev",
+                 "last_f", "nf", "nb", "best", "at")
+
+    def __init__(self, chunks, level0: float, recv, sends, interleaved: bool, p2p: float):
+        self.saved = [ch.saved for ch in chunks]
+        self.fx = [ch.fwd_extra for ch in chunks]
+        self.bx = [ch.bwd_extra for ch in chunks]
+        self.recv, self.sends, self.inter, self.p2p = recv, sends, interleaved, p2p
+        self.level, self.fl, self.held, self.prev, self.last_f = level0, [0] * len(chunks), sum(recv), None, None
+        self.nf = self.nb = 0
+        self.best, self.at = level0, None
+        self.floor = -float("inf")  # some step's top is at least this: a run that stays below it holds no peak
+
+    def fwd(self, x: int, nxt_b: Optional[int]) -> None:
+        """Forward of chunk x; nxt_b: the chunk of the next step if that is a backward."""
+        fl = self.fl
+        if self.recv[x] and not fl[x]:
+            self.held -= 1  # set_input_tensor replaces the kept input
+        lv = self.level
+        if self.p2p:
+            n = 2 * self.held
+            p = self.prev
+            if p is not None and (fl[p] or p == x):
+                n += 1
+            if nxt_b is not None and self.inter and self.sends[nxt_b]:
+                n += 1
+            top = lv + (self.fx[x] + n * self.p2p)
+        else:
+            top = lv + self.fx[x]
+        if top > self.best:
+            self.best, self.at = top, ("F", self.nf, lv)
+        fl[x] += 1
+        self.level = lv + self.saved[x]
+        self.nf += 1
+        self.last_f = x
+
+    def bwd(self, c: int) -> None:
+        fl = self.fl
+        lv = self.level
+        if self.p2p:
+            n = 2 * self.held
+            p = self.prev
+            if p is not None and fl[p]:
+                n += 1
+            f = self.last_f
+            if f is not None and self.inter and self.sends[f]:
+                n += 1
+            top = lv + (self.bx[c] + n * self.p2p)
+        else:
+            top = lv + self.bx[c]
+        if top > self.best:
+            self.best, self.at = top, ("B", self.nb, lv)
+        fl[c] -= 1
+        self.level = lv - self.saved[c]
+        self.nb += 1
+        self._after_bwd(c)
+
+    def _after_bwd(self, c: int, emptied: bool = True) -> None:
+        """State after a backward of chunk c (emptied: c held something before the last unit)."""
+        if self.recv[c]:
+            if emptied and not self.fl[c]:
+                self.held += 1
+            self.prev = c
+        else:
+            self.prev = None
+        self.last_f = None
+
+    def skip_f(self, a: int, m: int) -> None:
+        """m forwards of chunk a, not looked at."""
+        if self.recv[a] and not self.fl[a]:
+            self.held -= 1
+        self.fl[a] += m
+        self.level += m * self.saved[a]
+        self.nf += m
+        self.last_f = a
+
+    def skip_b(self, b: int, m: int) -> None:
+        self.fl[b] -= m
+        self.level -= m * self.saved[b]
+        self.nb += m
+        self._after_bwd(b)
+
+    def skip_pair(self, a: int, b: int, m: int) -> None:
+        if a != b:
+            if self.recv[a] and not self.fl[a]:
+                self.held -= 1
+            self.fl[a] += m
+            self.fl[b] -= m
+            self.level += m * (self.saved[a] - self.saved[b])
+        self.nf += m
+        self.nb += m
+        self._after_bwd(b, a != b)  # F b + B b leaves the chunk as it was
+
+    def _beaten(self, bound) -> bool:
+        """Whether a run whose tops are all at most `bound` cannot hold the first highest top."""
+        return bound <= self.best or bound < self.floor
+
+    def _cap(self):
+        """The most p2p tensor bytes a step of the next run can hold: a run empties a chunk only after its last step,
+        so at most 2 per held chunk now, + 1 for the last backward's input grad + 1 for a deferred send."""
+        return (2 * self.held + 2) * self.p2p if self.p2p > 0 else 0
+
+    def run_f(self, a: int, m: int, nxt_b: Optional[int]) -> None:
+        """m forwards of chunk a; nxt_b: the chunk of the step after the last if that is a backward."""
+        d = self.saved[a]
+        if self._beaten(max(self.level, self.level + (m - 1) * d) + self.fx[a] + self._cap()):
+            return self.skip_f(a, m)
+        self.fwd(a, None if m > 1 else nxt_b)
+        if m > 1:
+            self._middle(m, d, lambda: self.fwd(a, None), lambda k: self.skip_f(a, k))
+            self.fwd(a, nxt_b)
+
+    def run_b(self, b: int, m: int) -> None:
+        d = -self.saved[b]
+        if self._beaten(max(self.level, self.level + (m - 1) * d) + self.bx[b] + self._cap()):
+            return self.skip_b(b, m)
+        self.bwd(b)
+        if m > 1:
+            self._middle(m, d, lambda: self.bwd(b), lambda k: self.skip_b(b, k))
+            self.bwd(b)
+
+    def run_pair(self, a: int, b: int, m: int) -> None:
+        sa = self.saved[a]
+        d = sa - self.saved[b]
+        fx, bx = self.fx[a], sa + self.bx[b]
+        if self._beaten(max(self.level, self.level + (m - 1) * d) + (fx if fx > bx else bx) + self._cap()):
+            return self.skip_pair(a, b, m)
+        self.fwd(a, b)
+        self.bwd(b)
+        if m > 1:
+            self._middle(m, d, lambda: (self.fwd(a, b), self.bwd(b)), lambda k: self.skip_pair(a, b, k))
+            self.fwd(a, b)
+            self.bwd(b)
+
+    @staticmethod
+    def _middle(m: int, d, unit, skip) -> None:
+        """Units 1 .. m-2 of a run whose unit 0 ran: unit 1, then unit m-2 if the level rises (d > 0), the others
+        skipped."""
+        if m < 3:
+            return
+        unit()
+        if m > 3:
+            if d > 0:
+                if m > 4:
+                    skip(m - 4)
+                unit()
+            else:
+                skip(m - 3)
+
+
+def _warmup_floor(walk: _Walk, warm: List[Tuple[int, int]], after: List[Tuple[int, int]]) -> float:
+    """A top some step reaches (p2p tensors count >= 0): the last warmup forward's or the first steady forward's
+    level plus its transient. The warmup usually ends at about the highest level, so most runs before stay under."""
+    level = walk.level
+    for a, m in warm:
+        level += m * walk.saved[a]
+    floor = -float("inf")
+    if warm:
+        a = warm[-1][0]
+        floor = level - walk.saved[a] + walk.fx[a]
+    if after:
+        a = after[0][0]
+        floor = max(floor, level + walk.fx[a])
+    return floor
 
 
 def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optimizer_transient: float = 0.0,
@@ -288,28 +462,14 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
         return tl, level
 
     w = warmup_count(pp, rank, M, vp, group)  # order()'s warmup forwards (== the `warmup` simulate() is given)
-    saved = [ch.saved for ch in used]
-    vn = len(used)
-    # Steps as codes: forward of chunk c -> c, backward of chunk c -> vn + c; a step's level change and transient
-    # are then one lookup each.
-    dsel = saved + [-x for x in saved]
-    xsel = [ch.fwd_extra for ch in used] + [ch.bwd_extra for ch in used]
-    vlast = (vp or 1) - 1
-    # Code of forward j (cf[j]) and of backward j (cbc[j] = vn + cb[j], cb[j] = vlast - cf[j]), from the schedule
-    # table.
+    g = (group or pp) if vp else M
     if vp:
-        g = group or pp
         P = g * vp
         n_full = M // g
         J = n_full * P
         r_last = M - n_full * g
-        pat = [c for c in range(vp) for _ in range(g)]
-        cf = pat * n_full + [c for c in range(vp) for _ in range(r_last)]
-        cbc = [vn + vlast - c for c in pat] * n_full + [vn + vlast - c for c in range(vp) for _ in range(r_last)]
     else:
         P, J = 1, M
-        cf = [0] * M
-        cbc = [1] * M
     S_ = total - w  # steady 1F1B pairs
     skip_from = skip_to = S_
     lim = min(S_, J - w)
@@ -318,88 +478,69 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     if lim - first >= P:
         skip_from = first
         skip_to = first + ((lim - first) // P) * P
-    # The kept steps in order: warmup forwards, steady pairs [0, skip_from) and [skip_to, S_), cooldown backwards.
-    pf = cf[w: w + skip_from] + cf[w + skip_to: w + S_]
-    n2 = 2 * len(pf)
-    sc = cf[:w]
-    sc += pf
-    sc += pf  # placeholders, overwritten below
-    sc[w: w + n2: 2] = pf
-    sc[w + 1: w + n2: 2] = cbc[:skip_from] + cbc[skip_to:S_]
-    sc += cbc[S_:]
-    deltas = [dsel[x] for x in sc]
-    extras = [xsel[x] for x in sc]
     level0 = float(static_bytes)
-    levels = list(accumulate(deltas, initial=level0))
-    tops = list(map(add, levels, extras))  # levels[i]: the level before kept step i
-    p2p_end = 0
-    if p2p and tops:
-        # The pipeline p2p tensors live at each kept step (p2p_counts over the kept steps: the skipped whole periods
-        # leave the per-chunk in-flight state unchanged).
-        n_max = 2 * sum(recv) + 2
-        # A step's p2p count is at most n_max, so a step whose top without p2p tensors is more than n_max * p2p
-        # below the highest such top cannot hold the peak (left at -inf); counts are needed from the first step
-        # that can to the last.
-        thr = max(tops) - n_max * p2p
-        start, stop = 0, len(tops)
-        while tops[stop - 1] < thr:
-            stop -= 1
-        while tops[start] < thr:
-            start += 1
-        # Kept pairs [skip_to, lim) repeat pairs [skip_to - q*P, lim - q*P), which lie in [1, P + 1) and were
-        # kept: same levels, tops and counts, so never a new peak (a tie goes to the earlier step). Left at -inf.
-        rem_lo = w + 2 * skip_from
-        rem_hi = rem_lo + 2 * (lim - skip_to if skip_to > skip_from else 0)
-        # The first highest top over the walked steps (every other step counts as -inf).
-        top, i = -_INF, -1
-        for lo, hi in ((start, min(stop, rem_lo)), (max(start, rem_hi), stop)):
-            if lo < hi:
-                counts = _p2p_counts_coded(sc, vn, recv, sends, bool(vp), lo, hi)
-                seg = [lv + (x + n * p2p) for lv, x, n in zip(levels[lo:hi], extras[lo:hi], counts)]
-                best = max(seg)
-                if best > top:
-                    top, i = best, lo + seg.index(best)
-    elif tops:
-        top = max(tops)
-        i = tops.index(top)
-    if p2p:
-        p2p_end = 2 * sum(recv)  # every receiving chunk keeps its last input and its grad past the last step
+    walk = _Walk(used, level0, recv, sends, bool(vp), p2p)
+    cooldown = _chunk_runs(S_, total, vp, g, M, True)
+    # Warmup forwards; the last precedes the first backward when there are no steady pairs.
+    warm = _chunk_runs(0, w, vp, g, M, False)
+    if p2p >= 0:
+        walk.floor = _warmup_floor(walk, warm, _chunk_runs(w, min(w + 1, total), vp, g, M, False))
+    for i, (a, m) in enumerate(warm):
+        walk.run_f(a, m, cooldown[0][0] if (i == len(warm) - 1 and not S_ and cooldown) else None)
+    # Steady pairs: [0, skip_from) walked, whole periods skipped (state unchanged), the pairs repeating the first
+    # period moved over, the rest walked.
+    for a, b, m in _pair_runs(_chunk_runs(w, w + skip_from, vp, g, M, False),
+                              _chunk_runs(0, skip_from, vp, g, M, True)):
+        walk.run_pair(a, b, m)
+    walk.nf += skip_to - skip_from
+    walk.nb += skip_to - skip_from
+    rest = skip_to
+    if skip_to > skip_from and lim > skip_to:
+        for a, b, m in _pair_runs(_chunk_runs(w + skip_to, w + lim, vp, g, M, False),
+                                  _chunk_runs(skip_to, lim, vp, g, M, True)):
+            walk.skip_pair(a, b, m)
+        rest = lim
+    for a, b, m in _pair_runs(_chunk_runs(w + rest, w + S_, vp, g, M, False),
+                              _chunk_runs(rest, S_, vp, g, M, True)):
+        walk.run_pair(a, b, m)
+    for b, m in cooldown:
+        walk.run_b(b, m)
+
     peak, where, at, act = level0, "start", -1, 0.0
-    if tops:
-        if top > peak:
-            peak, before = top, levels[i]
-            n_pairs_1 = 2 * skip_from  # kept steps of the first steady part
-            if i < w:  # warmup forward j = i
-                kind, j, at, others, stage = "F", i, i, i, "warmup"
-            elif i < w + n2:
-                k2 = i - w
-                k = k2 // 2 if k2 < n_pairs_1 else skip_to + (k2 - n_pairs_1) // 2
-                at = w + 2 * k + (k2 & 1)
-                if not k2 & 1:
-                    kind, j, others, stage = "F", w + k, w, "steady"
-                else:
-                    kind, j, others = "B", k, w
-                    stage = "cooldown" if (k == S_ - 1 and w) else "steady"
+    if walk.at is not None:
+        kind, j, before = walk.at
+        peak = walk.best
+        if kind == "F":
+            if j < w:
+                at, others, stage = j, j, "warmup"
             else:
-                q = i - w - n2
-                kind, j, at, others, stage = "B", S_ + q, w + 2 * S_ + q, w - q - 1, "cooldown" if w else "steady"
-            if vp:
-                blk = j // P
-                if blk < n_full:
-                    mb = blk * g + (j - blk * P) % g
-                else:
-                    mb = n_full * g + (j - J) % r_last
+                at, others, stage = w + 2 * (j - w), w, "steady"
+        elif j < S_:
+            at, others = w + 2 * j + 1, w
+            stage = "cooldown" if (j == S_ - 1 and w) else "steady"
+        else:
+            q = j - S_
+            at, others, stage = w + 2 * S_ + q, w - q - 1, "cooldown" if w else "steady"
+        if vp:
+            blk = j // P
+            if blk < n_full:
+                mb = blk * g + (j - blk * P) % g
+                c = (j - blk * P) // g
             else:
-                mb = j
-            if kind == "F":
-                c = cf[j]
-                act = (before - level0) + saved[c]
-                where = f"forward mb={mb} chunk={c} ({stage}, {others} others in flight)"
-            else:
-                c = cbc[j] - vn
-                act = before - level0
-                where = f"backward mb={mb} chunk={c} ({stage}, {others} others in flight)"
-    top = levels[-1] + (optimizer_transient + p2p_end * p2p if p2p else optimizer_transient)
+                mb = n_full * g + (j - J) % r_last
+                c = (j - J) // r_last
+            if kind == "B":
+                c = vp - 1 - c
+        else:
+            mb, c = j, 0
+        if kind == "F":
+            act = (before - level0) + walk.saved[c]
+            where = f"forward mb={mb} chunk={c} ({stage}, {others} others in flight)"
+        else:
+            act = before - level0
+            where = f"backward mb={mb} chunk={c} ({stage}, {others} others in flight)"
+    p2p_end = 2 * sum(recv) if p2p else 0  # every receiving chunk keeps its last input and its grad past the end
+    top = walk.level + (optimizer_transient + p2p_end * p2p if p2p else optimizer_transient)
     if top > peak:
         peak, at, where, act = top, 2 * total, "optimizer step", 0.0
     return RankTimeline(peak, where, at, w + (1 if S_ > 0 else 0)), act

@@ -1,6 +1,6 @@
 """The estimator's fast paths give exactly what the straightforward computations give.
 
-- schedule.rank_timeline (periodic steady state skipped) == schedule.simulate over the full order() + the saved
+- schedule.rank_timeline (periodic steady state skipped, the rest walked in runs of equal units) == schedule.simulate over the full order() + the saved
   bytes live at the peak, over a grid of (pp, vp, M, group, stage), several chunk byte patterns and p2p tensor
   sizes (0: none; the pipeline p2p tensors of schedule.p2p_counts otherwise).
 - parallel.masked_orthogonal_groups (stride arithmetic) == megatron's rank-by-rank decomposition.
@@ -296,3 +296,32 @@ def test_chunk_columns_give_the_generic_grad_buffers():
                         if got[1] is not None:
                             assert got[1].param_ranges == want[1].param_ranges
                             assert repr(got[1]) == repr(want[1])
+
+
+# Larger schedules, as the benchmark's interleaved PP-8 configs run them: runs of `group` pairs, skipped periods,
+# partial last groups, p2p tensors that tie the steady state or dominate it, rising and falling levels.
+BIG_GRID = [(pp, vp, M, group)
+            for pp in (4, 8)
+            for vp in (None, 2, 5, 6)
+            for M in (8, 31, 64, 128)
+            for group in ((None,) if not vp else (None, 3, pp + 2))]
+
+
+@pytest.mark.parametrize("pp,vp,M,group", BIG_GRID)
+def test_rank_timeline_runs_equal_full_simulation_large(pp, vp, M, group):
+    rng = random.Random(f"big-{pp}-{vp}-{M}-{group}")
+    n = vp or 1
+    mk = lambda s, f, b: types.SimpleNamespace(saved=s, fwd_extra=f, bwd_extra=b)  # noqa: E731
+    sets = [[mk(805765120.0, 856096768.0, 100663296.0)] * n,
+            [mk(float(rng.randint(1, 9) << 26), float(rng.randint(0, 9) << 26), float(rng.randint(0, 9) << 26))
+             for _ in range(n)],
+            [mk(float(rng.randint(-4, 9)), float(rng.randint(-4, 30)), float(rng.randint(-9, 30))) for _ in range(n)]]
+    for chunks in sets:
+        for rank in range(pp):
+            for static, opt, p2p in ((2e9, 3e7, 0.0), (2e9, 3e7, 5e7), (0.0, 0.0, 4e8), (10.0, 3.0, 2.0)):
+                want_tl, want_act = _full(pp, rank, M, vp, group, chunks, static, opt, p2p)
+                got_tl, got_act = S.rank_timeline(pp, rank, M, chunks, static, opt, vp=vp, group=group, p2p=p2p)
+                key = (pp, vp, M, group, rank, static, opt, p2p, [c.__dict__ for c in chunks])
+                assert (got_tl.peak, got_tl.peak_phase, got_tl.peak_index, got_tl.in_flight_max) == \
+                    (want_tl.peak, want_tl.peak_phase, want_tl.peak_index, want_tl.in_flight_max), key
+                assert repr(got_act) == repr(want_act), key
