@@ -227,16 +227,24 @@ def fold_chunk(units: Sequence[tuple]) -> ChunkActivations:
 
 def per_op_bytes(units: Sequence[tuple]) -> Dict[str, Dict[str, float]]:
     """Op -> summed saved / max fwd / max bwd bytes per microbatch over the chunk (for the model tree)."""
-    out: Dict[str, Dict[str, float]] = {}
     counts: Dict[int, Any] = {}
     for u in units:  # identical layers share one rows list: aggregate by list, then by op
-        c = counts.setdefault(id(u[4]), [u[4], 0])
-        c[1] += 1
+        rows = u[4]
+        c = counts.get(id(rows))
+        if c is None:
+            counts[id(rows)] = [rows, 1]
+        else:
+            c[1] += 1
+    out: Dict[str, Dict[str, float]] = {}
     for rows, n in counts.values():
         for op, s, f, b in rows:
-            d = out.setdefault(op, {"saved": 0.0, "fwd_peak": 0.0, "bwd_peak": 0.0, "count": 0})
-            d["saved"] += s * n
-            d["fwd_peak"] = max(d["fwd_peak"], f)
-            d["bwd_peak"] = max(d["bwd_peak"], b)
-            d["count"] += n
+            d = out.get(op)
+            if d is None:
+                # The same arithmetic as accumulating onto zeros (0.0 + x turns -0.0 and ints into what += gives).
+                out[op] = {"saved": 0.0 + s * n, "fwd_peak": max(0.0, f), "bwd_peak": max(0.0, b), "count": n}
+            else:
+                d["saved"] += s * n
+                d["fwd_peak"] = max(d["fwd_peak"], f)
+                d["bwd_peak"] = max(d["bwd_peak"], b)
+                d["count"] += n
     return out

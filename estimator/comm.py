@@ -160,6 +160,31 @@ def _tp_replicated_elements(cfg: Any, layers: int, last: bool) -> int:
     return n
 
 
+# TP rows of one stage's layers, with and without sequence parallelism: (op, what, phase, calls per layer, whether
+# only recomputed layers issue it (then modelled)). Built once here rather than per estimate.
+_TP_LAYER_ROWS = {
+    False: (("all-reduce", "layer outputs (attention proj, MLP fc2)", "fwd", 2, False),
+            ("all-reduce", "layer input grads (qkv, fc1)", "bwd", 2, False),
+            ("all-reduce", "recomputed layer outputs", "recompute", 2, True)),
+    True: (("all-gather", "layer inputs (qkv, fc1)", "fwd", 2, False),
+           ("reduce-scatter", "layer outputs (attention proj, MLP fc2)", "fwd", 2, False),
+           ("all-gather", "input re-gather for weight grads + output grads", "bwd", 4, False),
+           ("reduce-scatter", "layer input grads (qkv, fc1)", "bwd", 2, False),
+           ("all-gather", "recomputed layer inputs", "recompute", 2, True),
+           ("reduce-scatter", "recomputed layer outputs", "recompute", 2, True)),
+}
+# PP rows of one stage: (what it sends, what it receives, phase) for activations forward and their grads backward.
+_PP_ROWS = (("activations to next/prev stage", "activations from prev/next stage", "fwd"),
+            ("activation grads to next/prev stage", "activation grads from prev/next stage", "bwd"))
+
+
+def _shape_bytes(dtype: str, shape: tuple) -> int:
+    n = DTYPE_BYTES.get(dtype, 4)
+    for x in shape:
+        n *= x
+    return n
+
+
 def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                   chunks_by_stage: Optional[dict] = None) -> CommReport:
     """All collectives of one iteration. `chunks_by_stage[pp_rank]` = that stage's model chunks, each a list of
@@ -171,66 +196,100 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     m = _g(cfg, "num_microbatches", 1)
     vpp = _g(cfg, "virtual_pipeline_model_parallel_size", 1) or 1
     pdt, gdt = precision(cfg)
-    e, eg = DTYPE_BYTES[pdt], DTYPE_BYTES[gdt]
     tied = not _g(cfg, "untie_embeddings_and_output_weights", False)
     layers = layers_per_stage(cfg)
-    stage_ranks = [lay.stage_ranks(p) for p in range(pp)]
-    stage_of = {r: p for p in range(pp) for r in stage_ranks[p]}
+    # Every pp group holds one rank of each stage, in stage order: column p of the pp groups is stage p's ranks
+    # (== lay.stage_ranks(p) for every p, in one pass).
+    stage_ranks = [sorted(col) for col in zip(*lay.groups["pp"])]
+    stage_of: list = []  # rank -> pp stage, filled on first use
     rows: list = []
     notes: list = []
-    members_of: dict = {}  # (group kind, stages) -> (issuing ranks, groups that hold one of them, group size)
+    members_of: dict = {}  # (group kind, stage or stages) -> (issuing ranks, groups that hold one of them, size)
     stages_hit: dict = {}  # group kind -> (per group the set of stages it touches, per stage its groups)
 
-    def members(group, stages):
-        """(issuing ranks, groups that hold one of them, group size) of a (group kind, stages) pair."""
-        if len(stages) == 1:
-            ranks = list(stage_ranks[stages[0]])
-        else:
-            ranks = sorted([r for p in stages for r in stage_ranks[p]])
-        all_groups = lay.groups[group]
+    def by_stage_of(group):
+        """[per group the set of stages it touches (None until asked for), per stage the groups holding one of
+        its ranks], one pass over the groups per kind."""
         hits = stages_hit.get(group)
-        if hits is None:  # one pass over the groups per kind, instead of one per (kind, stages)
+        if hits is not None:
+            return hits
+        all_groups = lay.groups[group]
+        if pp == 1:
+            hits = [None, [list(all_groups)]]
+        elif group == "pp":
+            hits = [None, [list(all_groups)] * pp]  # every pp group holds a rank of every stage
+        else:
+            if not stage_of:
+                stage_of.extend([0] * lay.world_size)
+                for p, ranks in enumerate(stage_ranks):
+                    for r in ranks:
+                        stage_of[r] = p
+            by_stage: list = [[] for _ in range(pp)]
             if group in _ONE_STAGE_KINDS:
                 # Its groups vary no pipeline coordinate: each lies in the stage of its first rank.
                 touched = None
-                by_stage: list = [[] for _ in range(pp)]
                 for g in all_groups:
                     by_stage[stage_of[g[0]]].append(g)
             else:
                 touched = [{stage_of[r] for r in g} for g in all_groups]
-                by_stage = [[] for _ in range(pp)]
-                for g, h in zip(all_groups, touched):
-                    for p in h:
+                for g, hit in zip(all_groups, touched):
+                    for p in hit:
                         by_stage[p].append(g)  # group order kept within each stage
-            hits = stages_hit[group] = [touched, by_stage]
-        if len(stages) == 1:
-            groups = list(hits[1][stages[0]])
+            hits = [touched, by_stage]
+        stages_hit[group] = hits
+        return hits
+
+    def member(group, p):
+        """(ranks of stage p, the groups of this kind holding one of them, group size); shared by the rows of
+        one (kind, stage) pair, read-only once built."""
+        key = (group, p)
+        hit = members_of.get(key)
+        if hit is None:
+            groups = by_stage_of(group)[1][p]
+            hit = members_of[key] = (stage_ranks[p], groups, len(groups[0]) if groups else 1)
+        return hit
+
+    def members(group, stages):
+        """member() for a row issued by the ranks of several stages."""
+        ranks = sorted([r for p in stages for r in stage_ranks[p]])
+        all_groups = lay.groups[group]
+        wanted = set(stages)
+        if len(wanted) == pp:
+            groups = list(all_groups)  # all stages: every group holds one of their ranks
         else:
-            if hits[0] is None:
-                hits[0] = [{stage_of[g[0]]} for g in all_groups]
-            wanted = set(stages)
-            groups = [g for g, h in zip(all_groups, hits[0]) if not wanted.isdisjoint(h)]
+            hits = by_stage_of(group)
+            if hits[0] is None:  # kinds whose stages by_stage_of did not need per group
+                if group == "pp":
+                    hits[0] = [set(range(pp))] * len(all_groups)
+                else:  # one-stage kinds (pp > 1 here, as a proper subset of the stages was asked for)
+                    hits[0] = [{stage_of[g[0]]} for g in all_groups]
+            groups = [g for g, hit in zip(all_groups, hits[0]) if not wanted.isdisjoint(hit)]
         return ranks, groups, len(groups[0]) if groups else 1
 
     def add(dim, op, what, group, shape, dtype, per_mb, stages, phase, per_iter=None, modelled=False, direction=""):
+        """One row, unless never issued (the only other reason to leave a row out: every stage has ranks) or
+        its group is of one rank (moves nothing)."""
         if per_mb == 0 and not per_iter:
-            return  # never issued (every stage has ranks, so this is the only other reason to leave a row out)
-        key = (group, stages[0]) if len(stages) == 1 else (group, tuple(stages))
-        hit = members_of.get(key)
-        if hit is None:
-            hit = members_of[key] = members(group, stages)
-        ranks, groups, size = hit
+            return
+        if len(stages) == 1:
+            ranks, groups, size = member(group, stages[0])
+        else:
+            key = (group, tuple(stages))
+            hit = members_of.get(key)
+            if hit is None:
+                hit = members_of[key] = members(group, stages)
+            ranks, groups, size = hit
         if size <= 1:
-            return  # a group of one moves nothing
-        nbytes = DTYPE_BYTES.get(dtype, 4)
-        for x in shape:
-            nbytes *= x
-        # Rows of one (group kind, stages) share their rank and group lists: read-only once built.
-        rows.append(Collective(dim, op, what, group, size, groups, ranks, tuple(shape), dtype, nbytes, per_mb,
-                               per_iter if per_iter is not None else per_mb * m, phase, modelled, direction))
+            return
+        rows.append(Collective(dim, op, what, group, size, groups, ranks, tuple(shape), dtype,
+                               _shape_bytes(dtype, shape), per_mb, per_iter if per_iter is not None else per_mb * m,
+                               phase, modelled, direction))
 
     full_act, first, last = (s, b, h), [0], [pp - 1]
     recompute_full = _g(cfg, "recompute_granularity") == "full"
+    if t > 1:
+        layer_rows = _TP_LAYER_ROWS[sp]
+        act_bytes = _shape_bytes(pdt, full_act)
     for p in range(pp):
         L = layers[p]
         # Full recompute replays each recomputed layer's forward (and its TP collectives) during backward.
@@ -238,26 +297,18 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         if recompute_full:
             rec = min(_g(cfg, "recompute_num_layers", 1), L) if _g(cfg, "recompute_method") == "block" else L
         if t > 1 and L:
-            if not sp:
-                add("tp", "all-reduce", "layer outputs (attention proj, MLP fc2)", "tp", full_act, pdt, 2 * L, [p], "fwd")
-                add("tp", "all-reduce", "layer input grads (qkv, fc1)", "tp", full_act, pdt, 2 * L, [p], "bwd")
-                add("tp", "all-reduce", "recomputed layer outputs", "tp", full_act, pdt, 2 * rec, [p], "recompute",
-                    modelled=True)
-            else:
-                add("tp", "all-gather", "layer inputs (qkv, fc1)", "tp", full_act, pdt, 2 * L, [p], "fwd")
-                add("tp", "reduce-scatter", "layer outputs (attention proj, MLP fc2)", "tp", full_act, pdt, 2 * L,
-                    [p], "fwd")
-                add("tp", "all-gather", "input re-gather for weight grads + output grads", "tp", full_act, pdt, 4 * L,
-                    [p], "bwd")
-                add("tp", "reduce-scatter", "layer input grads (qkv, fc1)", "tp", full_act, pdt, 2 * L, [p], "bwd")
-                add("tp", "all-gather", "recomputed layer inputs", "tp", full_act, pdt, 2 * rec, [p], "recompute",
-                    modelled=True)
-                add("tp", "reduce-scatter", "recomputed layer outputs", "tp", full_act, pdt, 2 * rec, [p],
-                    "recompute", modelled=True)
+            ranks, groups, size = member("tp", p)
+            if size > 1:
+                for op, what, phase, calls, recomputed in layer_rows:
+                    per_mb = calls * (rec if recomputed else L)
+                    if per_mb != 0:
+                        rows.append(Collective("tp", op, what, "tp", size, groups, ranks, full_act, pdt, act_bytes,
+                                               per_mb, per_mb * m, phase, recomputed, ""))
         sp_elems = _tp_replicated_elements(cfg, L, p == pp - 1) if t > 1 else 0
         if sp_elems:
             add("tp", "all-reduce", "grads of TP-replicated params (norms, row-parallel biases)", "tp", (sp_elems,),
                 gdt, 0, [p], "step", per_iter=1)
+
     if t > 1:
         add("tp", "all-reduce", "word embedding output", "tp", (b, s, h), pdt, 1, first, "fwd")
         if sp:
@@ -274,17 +325,20 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
 
     if pp > 1:
         act = (s // t if sp else s, b, h)
+        act_bytes = _shape_bytes(pdt, act)
         # Interleaving: each of the vpp chunks sends once per microbatch, except the model's last chunk (fwd)
         # and first chunk (bwd).
         for p in range(pp):
             fwd_sends = m * vpp - (m if p == pp - 1 else 0)
             fwd_recvs = m * vpp - (m if p == 0 else 0)
-            for what, n_send, n_recv, phase in (("activations", fwd_sends, fwd_recvs, "fwd"),
-                                                ("activation grads", fwd_recvs, fwd_sends, "bwd")):
-                add("pp", "send-recv", f"{what} to next/prev stage", "pp", act, pdt, 0, [p], phase,
-                    per_iter=n_send, direction="send", modelled=vpp > 1)
-                add("pp", "send-recv", f"{what} from prev/next stage", "pp", act, pdt, 0, [p], phase,
-                    per_iter=n_recv, direction="recv", modelled=vpp > 1)
+            ranks, groups, size = member("pp", p)
+            for (send, recv, phase), n_send, n_recv in zip(_PP_ROWS, (fwd_sends, fwd_recvs), (fwd_recvs, fwd_sends)):
+                if n_send:
+                    rows.append(Collective("pp", "send-recv", send, "pp", size, groups, ranks, act, pdt, act_bytes, 0,
+                                           n_send, phase, vpp > 1, "send"))
+                if n_recv:
+                    rows.append(Collective("pp", "send-recv", recv, "pp", size, groups, ranks, act, pdt, act_bytes, 0,
+                                           n_recv, phase, vpp > 1, "recv"))
         if tied:
             v = _g(cfg, "padded_vocab_size") or _g(cfg, "vocab_size")
             add("embedding", "all-reduce", "tied word-embedding grad (first and last stage)", "embedding",
@@ -328,7 +382,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                      "and not listed (modelled).")
 
     if chunks_by_stage is not None:
-        _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt)
+        _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt)
     else:
         notes.append("DP: per-rank parameter lists not given; gradient-buffer collectives left out.")
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
@@ -349,11 +403,13 @@ def _moe_layers_per_stage(cfg: Any, layers: Sequence[int]) -> list:
     return out
 
 
-def _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt) -> None:
-    """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers."""
+def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
+    """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers.
+    member(group kind, stage) -> (ranks, groups, group size) as in communication(); rows are appended to `rows`."""
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
     dense_dp = lay.dp * lay.cp
     first_bucket = ddp_bucket_size(cfg)  # the buffers static memory sizes: bucketed on stage 0's first chunk only
+    pe, ge = DTYPE_BYTES.get(pdt, 4), DTYPE_BYTES.get(gdt, 4)
     for p, chunks in chunks_by_stage.items():
         for ci, chunk in enumerate(chunks):
             bucket = first_bucket if p == 0 and ci == 0 else None
@@ -361,16 +417,24 @@ def _dp_rows(cfg, lay, chunks_by_stage, add, pdt, gdt) -> None:
                 _, layout = chunk_buffer(chunk, expert, size, dist_opt, bucket)
                 if layout is None:
                     continue
+                ranks, groups, gsize = member(group, p)
+                if gsize <= 1:
+                    continue  # a group of one moves nothing
                 kind = "expert " if expert else ""
-                for (b0, b1) in layout.buckets:
-                    if dist_opt:
-                        add("dp", "reduce-scatter", f"{kind}grad bucket (chunk {ci})", group, (b1 - b0,), gdt, 0, [p],
-                            "step", per_iter=1)
-                        add("dp", "all-gather", f"{kind}param bucket after step (chunk {ci})", group, (b1 - b0,), pdt,
-                            0, [p], "step", per_iter=1)
-                    else:
-                        add("dp", "all-reduce", f"{kind}grad bucket (chunk {ci})", group, (b1 - b0,), gdt, 0, [p],
-                            "step", per_iter=1)
+                grad_what = f"{kind}grad bucket (chunk {ci})"
+                if dist_opt:
+                    param_what = f"{kind}param bucket after step (chunk {ci})"
+                    for (b0, b1) in layout.buckets:
+                        n = b1 - b0
+                        rows.append(Collective("dp", "reduce-scatter", grad_what, group, gsize, groups, ranks, (n,),
+                                               gdt, ge * n, 0, 1, "step", False, ""))
+                        rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks, (n,),
+                                               pdt, pe * n, 0, 1, "step", False, ""))
+                else:
+                    for (b0, b1) in layout.buckets:
+                        n = b1 - b0
+                        rows.append(Collective("dp", "all-reduce", grad_what, group, gsize, groups, ranks, (n,), gdt,
+                                               ge * n, 0, 1, "step", False, ""))
 
 
 __all__ = ["Collective", "CommReport", "communication", "ring_factor", "layers_per_stage", "ParamInfo"]

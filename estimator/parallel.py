@@ -51,13 +51,17 @@ def masked_orthogonal_groups(world_size: int, sizes: list[int], mask: list[bool]
     masked_stride = [d for d, m in zip(stride, mask) if m]
     unmasked_stride = [d for d, m in zip(stride, mask) if not m]
     group_size = _prefix_product(masked_shape)[-1]
-    inner = _digit_offsets(masked_shape, masked_stride)  # len == group_size
     bases = _digit_offsets(unmasked_shape, unmasked_stride)
     n_groups = world_size // group_size
     if n_groups != len(bases):  # decompose() wraps the group index modulo prod(unmasked_shape)
         bases = [bases[gi % len(bases)] for gi in range(n_groups)]
     if group_size == 1:
         return [[b] for b in bases]
+    varying = [(s, d) for s, d in zip(masked_shape, masked_stride) if s > 1]
+    if len(varying) == 1:  # one dimension varies inside a group (tp, dp, pp, world, ...): each group is a range
+        (s, d), = varying
+        return [list(range(b, b + s * d, d)) for b in bases]
+    inner = _digit_offsets(masked_shape, masked_stride)  # len == group_size
     return [[b + o for o in inner] for b in bases]
 
 
@@ -191,7 +195,10 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         raise ParallelConfigError("When not using pp-last rank ordering, the data parallel size of the attention "
                                   "and moe layers must be the same")
     pp_groups = dense.get_ranks("pp")
-    if pp_groups != expert.get_ranks("pp"):
+    # Both generators span the same world: with pp the slowest digit of both, their pp groups are equal by
+    # construction (ranks r, r + world/pp, ...), so only other orders need the expert groups built to compare.
+    pp_last = dense.tokens[-1] == "pp" and expert.tokens[-1] == "pp"
+    if not pp_last and pp_groups != expert.get_ranks("pp"):
         raise ParallelConfigError("Pipeline parallel groups are expected to be the same for Non-Expert and Expert part")
 
     groups = _LazyGroups(dense, expert, world_size)
