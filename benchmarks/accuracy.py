@@ -46,13 +46,15 @@ class BenchError(Exception):
 
 # ------------------------------------------------------------------------------------------------ grid
 def expand(grid: dict) -> list[dict]:
-    """Grid entries -> [{name, argv, nproc, quick}] (same `base` / `set` / `flags` / `unset` rules as fit.campaign)."""
-    from fit.campaign import config_argv
+    """Grid entries -> [{name, argv, launcher, nproc, quick}] (same `base` / `set` / `flags` / `unset` rules and
+    profiler options as fit.campaign)."""
+    from fit.campaign import config_argv, launcher_flags
     base = [str(x) for x in grid.get("base", [])]
     out = []
     for c in grid["configs"]:
         argv, nproc = config_argv(base, c)
-        out.append({"name": c["name"], "argv": argv, "nproc": nproc, "quick": bool(c.get("quick"))})
+        out.append({"name": c["name"], "argv": argv, "launcher": launcher_flags(argv), "nproc": nproc,
+                    "quick": bool(c.get("quick"))})
     return out
 
 
@@ -116,8 +118,7 @@ def cached(run_dir: str, cfg: dict, iterations: int) -> bool:
             info = json.load(fh)
     except (OSError, json.JSONDecodeError):
         return False
-    from fit.campaign import launcher_flags
-    return (info.get("argv") == cfg["argv"] and info.get("launcher", []) == launcher_flags(cfg["argv"])
+    return (info.get("argv") == cfg["argv"] and info.get("launcher", []) == cfg["launcher"]
             and info.get("nproc") == cfg["nproc"]
             and info.get("iterations") == iterations and is_complete(run_dir, cfg["nproc"]))
 
@@ -130,9 +131,8 @@ def profile(cfg: dict, out_dir: str, iterations: int, timeout: float) -> float:
         shutil.rmtree(partial)
     os.makedirs(partial)
     log = os.path.join(out_dir, cfg["name"] + ".log")
-    from fit.campaign import launcher_flags
     cmd = [sys.executable, "-m", "tracer.profile", "--cpu", "--nproc", str(cfg["nproc"]), "--out", partial,
-           "--iterations", str(iterations), *launcher_flags(cfg["argv"]), "--", *cfg["argv"]]
+           "--iterations", str(iterations), *cfg["launcher"], "--", *cfg["argv"]]
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as fh:
         fh.write(" ".join(cmd) + "\n")
@@ -148,7 +148,7 @@ def profile(cfg: dict, out_dir: str, iterations: int, timeout: float) -> float:
             tail = [l.strip() for l in fh if l.strip()][-1:] or [""]
         raise BenchError(f"{cfg['name']}: profiler exit {rc}, traces incomplete (log: {log}): {tail[0]}")
     with open(os.path.join(partial, RUN_INFO), "w", encoding="utf-8") as fh:
-        json.dump({"name": cfg["name"], "argv": cfg["argv"], "launcher": launcher_flags(cfg["argv"]),
+        json.dump({"name": cfg["name"], "argv": cfg["argv"], "launcher": cfg["launcher"],
                    "nproc": cfg["nproc"], "iterations": iterations}, fh)
     if os.path.isdir(final):
         shutil.rmtree(final)

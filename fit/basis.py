@@ -87,6 +87,8 @@ _MOE = ["s*b*k*h*etp/st", "s*b*k*fe/st", "s*b*E*etp/st", "s*b*h*ep*etp/st", "s*b
 # One local expert at a time (its backward, its fc1 output): each of the E experts receives s*b*k*ep*etp/(st*E)
 # of the gathered tokens, of width h, or fe/etp inside the expert; and one expert's weight gradients.
 _ONE_EXPERT = ["s*b*k*h*ep*etp/st*E", "s*b*k*fe*ep/st*E", "h*fe/etp"]
+# A decoder layer's own atoms (residual stream, attention and MLP interiors, weight-gradient sizes).
+_LAYER = _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS
 FAMILIES: dict[str, list[str]] = {
     "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "1"],
     "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "1"],
@@ -96,9 +98,9 @@ FAMILIES: dict[str, list[str]] = {
     "mlp": ["s*b*f/t", "s*b*h/st", "s*b*h", "1"] + _MOE,
     "layernorm": ["s*b*h/st", "s*b/st", "s*b*a*d/t", "s*b*g*d/t", "s*b*a/t", "s*b*g/t", "1"],
     "self_attention": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*d", "1"],
-    "layer": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS + _MOE,
+    "layer": _LAYER + _MOE,
     # The layer basis for parts of dense layers only (the MoE atoms are 0 there) and of MoE layers only.
-    "layer_dense": _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS,
+    "layer_dense": _LAYER,
     "layer_moe": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _MOE + _ONE_EXPERT
                  + ["h*h/t", "h*a*d/t", "h*g*d/t", "h*E", "h"],
     "embedding": ["s*b*h/st", "s*b*h", "s*b", "s*h", "v*h/t", "1"],

@@ -108,13 +108,13 @@ class _OpFitter:
     def fit_scalar(self, have: list[Sample], metric: str, part: list[Sample]):
         """One formula for the metric's value per config (a peak may be an upper bound: self.peak_bound)."""
         fixed, ties = domain(constant_switches(part))
+        cands = self.cands_for(part)
         try:
-            fit = fit_group([s.point for s in have], [s.values[metric] for s in have],
-                            self.cands_for(part), fixed=fixed, ties=ties,
-                            bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
+            fit = fit_group([s.point for s in have], [s.values[metric] for s in have], cands, fixed=fixed,
+                            ties=ties, bound=0.0 if metric == "saved" else self.peak_bound, **self.kw)
         except FitRefused as exc:
             return str(exc)
-        fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), self.cands_for(part)
+        fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), cands
         return fit
 
     def fit_points(self, have: list[Sample], metric: str, part: list[Sample]):
@@ -126,14 +126,14 @@ class _OpFitter:
         if len(n) != 1 and constant_switches(part).get("moe") is True:
             return self.fit_end_points(have, metric, part)
         if len(n) != 1:
-            return (f"{NOT_ALIGNED}: {sorted(n)} allocations in the scope on different configs (the "
-                    f"allocation pattern changes within this part)")
+            return _not_aligned(n)
         idx = [k for k in range(n.pop()) if any(s.points[metric][1][k] for s in have)]
         fixed, ties = domain(constant_switches(part))
+        cands = self.cands_for(part)
         fits, dropped, failed = [], [], []
         for k in idx:
             try:
-                fit = self.fit_point(have, metric, k, fixed, ties, self.cands_for(part))
+                fit = self.fit_point(have, metric, k, fixed, ties, cands)
             except FitRefused as exc:
                 dropped.append(k)
                 if not low_point(have, metric, k):
@@ -146,8 +146,7 @@ class _OpFitter:
         # just before) may be left out only while the fitted points reach the peak on every traced config.
         if failed and not all(covers_peaks(fits, s, metric) for s in have):
             return failed[0]
-        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), dropped=dropped,
-                         cands=self.cands_for(part))
+        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), dropped=dropped, cands=cands)
 
     def fit_point(self, have: list[Sample], metric: str, k: int, fixed, ties, cands) -> Fit:
         """Exact fit of point k (a negative k counts from the scope's end) over the configs; FitRefused if none."""
@@ -164,21 +163,21 @@ class _OpFitter:
         exactly is kept; the transient is accepted only if, on every traced config, the kept points reach the
         scope's maximum over all its points, the unmatched middle included (covers_peaks)."""
         counts = sorted({len(s.points[metric][0]) for s in have})
-        reason = (f"{NOT_ALIGNED}: {counts} allocations in the scope on different configs (the allocation "
-                  f"pattern changes within this part)")
         fixed, ties = domain(constant_switches(part))
+        cands = self.cands_for(part)
         fits = []
         for k in list(range(counts[0])) + [-j for j in range(1, counts[0] + 1)]:
             if low_point(have, metric, k):
                 continue
             try:
-                fits.append(self.fit_point(have, metric, k, fixed, ties, self.cands_for(part)))
+                fits.append(self.fit_point(have, metric, k, fixed, ties, cands))
             except FitRefused:
                 continue
         missed = [s.run for s in have if not covers_peaks(fits, s, metric)]
         if missed:
-            return f"{reason}; matched from both ends, the fitted points miss the peak of {len(missed)} config(s)"
-        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), ends=counts, cands=self.cands_for(part))
+            return (f"{_not_aligned(counts)}; matched from both ends, the fitted points miss the peak of "
+                    f"{len(missed)} config(s)")
+        return PointsFit(fits, sorted({s.run for s in have}), (fixed, ties), ends=counts, cands=cands)
 
     def formula(self, part: list[Sample], saved_from: list[Sample] | None = None) -> OpFormula:
         """The part's formula; `saved_from` (a superset) supplies the saved-bytes fit when peaks were split."""
@@ -309,6 +308,11 @@ def low_point(have: list[Sample], metric: str, k: int) -> bool:
     return all(s.points[metric][0][k] <= LOW_POINT * max(s.points[metric][0]) for s in have)
 
 
+def _not_aligned(counts) -> str:
+    return (f"{NOT_ALIGNED}: {sorted(counts)} allocations in the scope on different configs (the allocation "
+            f"pattern changes within this part)")
+
+
 def covers_peaks(fits: list, s: Sample, metric: str) -> bool:
     """The points of `fits` (their measured values on config s) reach s's largest point."""
     vals = s.points[metric][0]
@@ -359,9 +363,10 @@ class PointsFit:
             out.append("left out (leave-one-out mispredicts them; the others still reach every traced peak): "
                        "point(s) " + ", ".join(point_name(k) for k in self.dropped))
         elif self.dropped:
-            out.append(f"{len(self.fits)} point(s) fitted; left out (no determined formula; at most "
-                       f"{LOW_POINT:.0%} of the peak on every traced config, or below the fitted points' maximum on "
-                       f"every traced config): allocation(s) " + ", ".join(point_name(k) for k in self.dropped))
+            out.append(f"{len(self.fits)} point(s) fitted; left out (no determined formula, or one that "
+                       f"leave-one-out mispredicts; at most {LOW_POINT:.0%} of the peak on every traced config, or "
+                       f"below the fitted points' maximum on every traced config): allocation(s) "
+                       + ", ".join(point_name(k) for k in self.dropped))
         return out
 
     @property
