@@ -2,7 +2,8 @@
 
 A chunk is what one forward/backward of the schedule runs on one rank: a run of transformer layers plus, where it
 holds them, the embedding (first chunk of stage 0) or final norm, output layer and loss (last chunk of the last
-stage). It is summarised as `saved` (bytes kept per in-flight microbatch), `fwd_extra` (transient above the level
+stage), and what the model keeps of the microbatch's input batch (tokens and position ids read by the embedding,
+the loss mask read by the loss, the attention mask read by every layer). It is summarised as `saved` (bytes kept per in-flight microbatch), `fwd_extra` (transient above the level
 at chunk entry during its forward) and `bwd_extra` (transient above the level with all its saved bytes live).
 """
 from __future__ import annotations
@@ -20,6 +21,11 @@ MOE_MLP_OPS = ("layers.*.pre_mlp_layernorm", "layers.*.mlp.router", "layers.*.ml
 LAYER_OP = "layers.*"
 FIRST_OPS = ("embedding",)
 LAST_OPS = ("final_layernorm", "output_layer", "loss")
+# The input batch (tracer.harness.get_batch, FORMATS 2.3): what the first chunk keeps of tokens and position ids,
+# what the last keeps of labels and loss mask; every chunk gets the attention mask.
+DATA_FIRST_OPS = ("data.tokens",)
+DATA_LAST_OPS = ("data.labels",)
+DATA_OPS = ("data.mask",)
 
 
 HELD_OP = "backward_held"
@@ -97,6 +103,16 @@ class LayerCache:
             hit = self.units[key] = (s, s, f, b, rows)
         return hit
 
+    def data_ops(self, first: bool, last: bool) -> tuple:
+        """The input-batch ops of a chunk that the set (or its fallback) has a formula for: sets fitted before the
+        batch was traced as its own op, and the modelled set, have none (the batch then counts as zero)."""
+        key = ("data_ops", first, last)
+        hit = self.units.get(key)
+        if hit is None:
+            ops = (DATA_FIRST_OPS if first else ()) + (DATA_LAST_OPS if last else ()) + DATA_OPS
+            hit = self.units[key] = tuple(op for op in ops if F.select(self.fset, op, self.sw) is not None)
+        return hit
+
     def layer_rows(self, moe: bool, recompute: str):
         key = (moe, recompute)
         if key not in self._cache:
@@ -159,6 +175,9 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     units = []
     if recv_input:
         units.append(cache.recv_unit)
+    data = cache.data_ops(first, last)
+    if data:
+        units.append(cache.model_unit(data))
     if first:
         units.append(cache.model_unit(FIRST_OPS))
     groups = recomputed_groups(cache.cfg, len(moe_flags))

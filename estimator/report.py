@@ -72,12 +72,14 @@ def _op_rows(report, stage: int) -> list[dict]:
 
 def _tree_key(param_ops: list[str]):
     """Module-tree order: an op sits at its first parameter-holding descendant (parents first); an op without
-    parameters (core_attention, loss) sits after its parent's subtree."""
+    parameters (core_attention, loss) sits after its parent's subtree; the input batch (`data.*`) comes first."""
     def under(parent: str, op: str) -> bool:
         return op == parent or op.startswith(parent + ".")
 
     def key(row: dict):
         name = row["op"]
+        if name.startswith("data."):
+            return (-1, 0)
         hits = [i for i, op in enumerate(param_ops) if under(name, op)]
         if hits:
             return (min(hits), name.count("."))

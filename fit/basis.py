@@ -108,6 +108,9 @@ FAMILIES: dict[str, list[str]] = {
     # The loss op also carries the whole loss head's backward transient (FORMATS 4): the output layer's input
     # and weight gradients and the final norm's gradients come after the logits' terms.
     "loss": ["s*b*v/t", "s*b", "s*b/t", "b", "s", "1", "s*b*h/st", "s*b*h", "v*h/t"],
+    # The input batch: [b, s] int64 tokens, position ids and labels, fp32 loss mask, [b, 1, s, s] bool attention
+    # mask; s alone for position ids built once and expanded.
+    "data": ["s*b", "s*s*b", "s", "s*s", "b", "1"],
     "router": ["s*b*E/st", "s*b*k/st", "s*b*h/st", "s*b*E", "s*b*k", "s*b/st", "E", "1"],
     "experts": ["s*b*k*h*etp/st", "s*b*k*fe/st", "s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st",
                 "E/ep", "1"],
@@ -130,6 +133,8 @@ def family(op: str) -> str:
         return "optimizer"
     if op == "backward_held":
         return "backward_held"
+    if op.startswith("data."):
+        return "data"
     if op == "loss" or last == "loss":
         return "loss"
     if last in FAMILIES:
@@ -165,7 +170,9 @@ def candidates(op: str, moe: bool | None = None) -> list[Monomial]:
         fam = "layer_moe" if moe else "layer_dense"
     atoms = [parse_monomial(a) for a in FAMILIES[fam]]
     out: list[Monomial] = []
-    for m in [times(a, "e") for a in atoms] + atoms:
+    # The input batch has fixed dtypes (int64 ids, bool mask, fp32 loss mask): its bare atoms come first.
+    scaled = [times(a, "e") for a in atoms]
+    for m in (atoms + scaled if fam == "data" else scaled + atoms):
         if m not in out:
             out.append(m)
     return out

@@ -227,6 +227,17 @@ def build_optimizer(cfg, extra: dict, model: list):
     return get_megatron_optimizer(oc, model)
 
 
+@dataclass(frozen=True)
+class MockMicrobatch:
+    """What the mock data iterator yields for one microbatch: which samples it holds. get_batch builds the tensors,
+    as Megatron-LM's get_batch copies the data loader's batch to the device inside the forward step."""
+    first_sample: int
+    seed: int
+    s: int
+    b: int
+    v: int
+
+
 def mock_batches(cfg, seed: int, iteration: int, num_microbatches: int):
     """Deterministic learnable mock data: each sample counts up from a random start (next token = token + 1).
     Samples depend only on their index in the global batch, so TP/PP layouts see identical data, DP ranks disjoint
@@ -235,25 +246,50 @@ def mock_batches(cfg, seed: int, iteration: int, num_microbatches: int):
 
     s, b, v = cfg.seq_length, cfg.micro_batch_size, cfg.vocab_size or cfg.padded_vocab_size
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    # Lazy, one microbatch at a time, as Megatron's data iterator feeds get_batch: a batch is allocated when the
-    # schedule's forward step asks for it and lives only as long as that microbatch references it.
     for mb in range(num_microbatches):
-        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-        # Megatron's GPT datasets build a [b, 1, s, s] causal mask (True = masked out).
-        mask = (torch.tril(torch.ones(s, s)) < 0.5).view(1, 1, s, s).expand(b, 1, s, s)
-        first = (mb * dp + dp_rank) * b
-        g = torch.Generator().manual_seed(seed * 1_000_003 + first)
-        starts = torch.randint(0, v, (b, 1), generator=g)
-        seq = (starts + torch.arange(s + 1).unsqueeze(0)) % v
-        yield {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
-               "loss_mask": torch.ones(b, s), "attention_mask": mask, "position_ids": position_ids}
+        yield MockMicrobatch((mb * dp + dp_rank) * b, seed, s, b, v)
 
 
-def _to_device(batch: dict) -> dict:
-    if on_cpu():
-        return batch
-    dev = torch.cuda.current_device()
-    return {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+def _device():
+    return "cpu" if on_cpu() else torch.cuda.current_device()
+
+
+def get_batch(data_iterator, with_data: bool) -> dict:
+    """The device tensors of Megatron-LM's get_batch (pretrain_gpt.py; TP rank 0 copies all five, contiguous, as
+    the data loader collates them): tokens, labels, loss_mask, a [b, 1, s, s] causal attention mask (True = masked
+    out; GPT datasets build it by default) and position_ids, for chunks that hold the embedding or the loss.
+
+    Each is built inside a `data:<what>` scope, so the parser measures what the model keeps of the batch per
+    microbatch (FORMATS 2.3): `data:tokens` (tokens, position ids: read by the embedding), `data:labels` (labels,
+    loss mask: read by the loss), `data:mask`. Chunks holding neither get only the attention mask: Megatron-LM
+    passes None there, but megatron-core then builds its default causal mask on "cuda", which cannot run on CPU."""
+    dev = _device()
+    if not with_data:
+        mb = next(data_iterator)
+        with scopes.scope("data:mask"):
+            return {"tokens": None, "labels": None, "loss_mask": None, "position_ids": None,
+                    "attention_mask": torch.ones(mb.b, 1, mb.s, mb.s, dtype=torch.bool, device=dev).triu_(1)}
+    mb = next(data_iterator)
+    s, b, v = mb.s, mb.b, mb.v
+    with scopes.scope("data:tokens"):
+        g = torch.Generator().manual_seed(mb.seed * 1_000_003 + mb.first_sample)
+        starts = torch.randint(0, v, (b, 1), generator=g).to(dev)
+        tokens = (starts + torch.arange(s, device=dev)) % v
+        position_ids = torch.arange(s, device=dev).repeat(b, 1)
+    with scopes.scope("data:labels"):
+        labels = (tokens + 1) % v
+        loss_mask = torch.ones(b, s, device=dev)
+    with scopes.scope("data:mask"):
+        mask = torch.ones(b, 1, s, s, dtype=torch.bool, device=dev).triu_(1)
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "attention_mask": mask,
+            "position_ids": position_ids}
+
+
+def _holds_data(model) -> bool:
+    """Whether a (wrapped) model chunk holds the embedding or the loss: Megatron-LM's get_batch feeds only those."""
+    while hasattr(model, "module"):
+        model = model.module
+    return bool(getattr(model, "pre_process", True) or getattr(model, "post_process", True))
 
 
 def loss_func(loss_mask, output_tensor):
@@ -266,7 +302,7 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = _to_device(next(data_iterator))
+    batch = get_batch(data_iterator, _holds_data(model))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     # The cross entropy runs inside GPTModel (compute_language_model_loss, scoped `loss` by tracer.scopes).
     return output, partial(loss_func, batch["loss_mask"])

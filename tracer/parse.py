@@ -40,7 +40,7 @@ CATEGORIES = ["parameter", "gradient", "optimizer", "saved", "temporary", "commu
 PARAMETER, GRADIENT, OPTIMIZER, SAVED, TEMPORARY, COMMUNICATION, OTHER = range(len(CATEGORIES))
 
 # Scope kinds, from the name prefixes of FORMATS 2.3.
-K_OTHER, K_ITER, K_FWD, K_BWD, K_MOD, K_BWDLAYER, K_RECOMPUTE, K_OPTIM, K_COMM, K_LOSS = range(10)
+K_OTHER, K_ITER, K_FWD, K_BWD, K_MOD, K_BWDLAYER, K_RECOMPUTE, K_OPTIM, K_COMM, K_LOSS, K_DATA = range(11)
 _COMM_NAMES = {"grad_sync", "param_gather", "pp_send", "pp_recv"}
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
 _EXPERT_RE = re.compile(r"\.local_experts\.\d+(?=\.|$)")
@@ -84,6 +84,8 @@ def _classify_name(name: str) -> tuple[int, int, str | None, int | None]:
         return K_COMM, -1, None, None
     if name == "loss":
         return K_LOSS, -1, "loss", None
+    if head == "data" and rest:   # the microbatch's input batch, built in the forward step (op `data.<what>`)
+        return K_DATA, -1, f"data.{rest}", None
     return K_OTHER, -1, None, None
 
 
@@ -275,7 +277,7 @@ def _allocations(sc: Scopes, m_idx, f_idx, size, n, names) -> dict:
     k = sc.kind
     phase_row = inherit(sc, np.isin(k, (K_FWD, K_BWD, K_BWDLAYER, K_RECOMPUTE, K_OPTIM, K_COMM)))
     ctx = {
-        "op": inherit(sc, (k == K_MOD) | (k == K_LOSS)),
+        "op": inherit(sc, np.isin(k, (K_MOD, K_LOSS, K_DATA))),
         "fwd": inherit(sc, k == K_FWD),
         "iter": inherit(sc, k == K_ITER),
         "phase": phase_row,
@@ -371,7 +373,7 @@ def _op_stats(pr: ParsedRank) -> list[dict]:
     info = {t: _classify_name(nm) for t, nm in enumerate(names)}
     num = lambda row: info[int(sc.tag[row])][1] if row >= 0 else None   # noqa: E731
     rows: dict[tuple, dict] = {}
-    fwd_ops = np.flatnonzero(np.isin(sc.kind, (K_MOD, K_LOSS)) & (fwd_row >= 0) & (rec_row < 0))
+    fwd_ops = np.flatnonzero(np.isin(sc.kind, (K_MOD, K_LOSS, K_DATA)) & (fwd_row >= 0) & (rec_row < 0))
     for i in fwd_ops:
         _, _, op, layer = info[int(sc.tag[i])]
         key = (op, layer, num(mb_row[i]), num(it_row[i]))
