@@ -2,7 +2,8 @@
 
 Per op, rows of every rank, layer, microbatch and iteration >= 1 (iteration 0 is warm-up: lazily created
 buffers, first-step optimizer state) are reduced to their mode when it is a strict majority, else the low median
-(saved bytes) or the maximum (transient peaks), so the sample is always a byte count that really occurred. The optimizer step's transient (peak above the level
+(saved bytes) or, for transient peaks, the value more rows show than any other, else the maximum, so the sample is
+always a byte count that really occurred. The optimizer step's transient (peak above the level
 at `optim` entry) becomes the model-level op `optimizer`.
 The layer's transients are also measured per allocation point (layer_points), the loss head's backward too, and
 what a layer's backward holds from before it becomes the model-level op `backward_held` (docs/FORMATS.md 4).
@@ -31,7 +32,7 @@ def estimator_ops() -> tuple:
     """The op names the estimator composes a layer and a model from (its vocabulary, in its own module)."""
     from estimator import activations as A
     return tuple(dict.fromkeys(A.ATTN_OPS + A.DENSE_MLP_OPS + A.MOE_MLP_OPS + (A.LAYER_OP,) + A.FIRST_OPS
-                               + A.LAST_OPS))
+                               + A.LAST_OPS + A.DATA_FIRST_OPS + A.DATA_LAST_OPS + A.DATA_OPS))
 
 
 def rollup_target(op: str, vocab: tuple) -> str:
@@ -97,14 +98,18 @@ def point_of(config: dict) -> dict:
 
 
 def reduce_values(values: list[int], peak: bool = False) -> int | None:
-    """The strict-majority value; without one, saved bytes take the low median and peaks the maximum (a
-    transient that differs between layers must be covered on every layer)."""
+    """The strict-majority value; without one, saved bytes take the low median, and peaks the value more rows
+    show than any other (a level a gloo thread shifts on one rank's layer by freeing a buffer late is not the
+    layer's own), else their maximum (a transient that differs between layers must be covered on every layer)."""
     if not values:
         return None
-    value, count = Counter(values).most_common(1)[0]
+    common = Counter(values).most_common(2)
+    value, count = common[0]
     if count * 2 > len(values):
         return value
-    return max(values) if peak else statistics.median_low(values)
+    if not peak:
+        return statistics.median_low(values)
+    return value if count > 1 and count > common[1][1] else max(values)
 
 
 def expand_dirs(paths: list[str]) -> list[str]:

@@ -290,6 +290,42 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
     raise FitRefused(_no_fit_message(pts, cands, n, max_terms, pinned))
 
 
+def _scales_of(points: Sequence[Point], scales: Sequence[float], kept: list[Point]) -> np.ndarray:
+    """Per deduplicated point, the largest scale given for that config."""
+    by: dict = {}
+    for p, sc in zip(points, scales):
+        key = tuple(sorted(p.items()))
+        by[key] = max(by.get(key, 1.0), float(sc))
+    return np.array([by[tuple(sorted(p.items()))] for p in kept])
+
+
+def bound_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], bound: float,
+              scales: Sequence[float], max_terms: int = 6, **_ignored) -> Fit:
+    """Only the upper-bound part of fit_group (for data already known to have no exact fit): a nonnegative fit
+    that never under-predicts a traced config and over-predicts it by at most `bound` x its scale (for one
+    allocation point of a transient: the config's peak, the largest of its points, which is what an over-
+    prediction would raise). Raises FitRefused."""
+    pts, yv = _dedupe(points, ys)
+    n = len(pts)
+    if n < 4:
+        raise FitRefused(f"underdetermined: {n} config(s) cannot determine a bound")
+    pb = _Problem(pts, yv, cands)
+    sc = _scales_of(points, scales, pts)
+    # Nonnegative terms: a bound made of signed terms fits the traced configs as tightly but can fall below the
+    # level (or far above it) on a config of other proportions. At most n - 3 terms, so that every leave-one-out
+    # fold still has two configs more than terms (a bound no fold can check is not accepted).
+    fit = upper_bound_fit(pb, min(max_terms, n - 3), scale=sc)
+    if fit is None:
+        raise FitRefused(f"no upper bound from {n} config(s)")
+    over = max(float(fit.predict(p) - y) / s for p, y, s in zip(pts, yv, sc))
+    if over > bound:
+        raise FitRefused(f"no upper bound within {bound:.0%} of the peak from {n} config(s)")
+    fit.max_rel_residual = over
+    fit.notes[-1] = (f"upper bound: never under-predicts a traced config, over-predicts by at most {over:.2%} of "
+                     f"its peak")
+    return fit
+
+
 def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset()) -> Fit:
     """Among equally sparse exact fits, the first in basis order, unless another differs in the domain."""
     found.sort(key=lambda fc: fc[0])
@@ -322,16 +358,22 @@ def _no_fit_message(pts: list[Point], cands: list[Monomial], n: int, max_terms: 
             f"or the basis lacks a term")
 
 
-def upper_bound_fit(pb: _Problem, limit: int, only: tuple | None = None) -> Fit | None:
-    """Nonnegative coefficients minimising the total relative over-prediction subject to never under-predicting
-    (a linear program per candidate subset): pairs exhaustively, then greedy growth while it helps by > 1%."""
+def _round_coef(x: float, up: bool) -> int:
+    near = round(x)
+    return near if not up and abs(x - near) < 1e-6 else math.ceil(x * (1 + 1e-12))
+
+
+def upper_bound_fit(pb: _Problem, limit: int, only: tuple | None = None, scale=None) -> Fit | None:
+    """Nonnegative coefficients minimising the total relative over-prediction (relative to |y|, or to `scale`
+    per point) subject to never under-predicting (a linear program per candidate subset): pairs exhaustively,
+    then greedy growth while it helps by > 1%."""
     from scipy.optimize import linprog
-    w = 1.0 / np.maximum(np.abs(pb.y), 1.0)
+    w = 1.0 / np.maximum(np.abs(pb.y) if scale is None else scale, 1.0)
 
     def solve_lp(cols: tuple):
         A = pb.Xn[:, cols]
-        res = linprog(c=(w[:, None] * A).sum(axis=0), A_ub=-A, b_ub=-pb.y, bounds=[(0, None)] * len(cols),
-                      method="highs")
+        res = linprog(c=(w[:, None] * A).sum(axis=0), A_ub=-A, b_ub=-pb.y,
+                      bounds=[(0, None)] * len(cols), method="highs")
         return (float(res.fun - (w * pb.y).sum()), res.x) if res.status == 0 else (float("inf"), None)
 
     k = len(pb.cands)
@@ -351,12 +393,17 @@ def upper_bound_fit(pb: _Problem, limit: int, only: tuple | None = None) -> Fit 
             break
         (obj, x), cols = (o2, x2), c2
     coefs = x / pb.norms[list(cols)]
-    # Round each coefficient up to a multiple of 1/1024: features are nonnegative, so the bound still holds.
-    terms = [(Fraction(math.ceil(float(c) * 1024 * (1 + 1e-12)), 1024), pb.cands[j])
-             for c, j in zip(coefs, cols) if c > 1e-12]
-    fit = _finish(pb, terms, exact=False)
-    pred = [fit.predict(p) for p in pb.points]
-    if any(pv < y for pv, y in zip(pred, pb.ys)):
+    # Each coefficient as a multiple of 1/1024: the nearest one where the LP's vertex is (up to float noise) on
+    # it, if that still never under-predicts; else each rounded up (features are nonnegative, so the bound holds).
+    fit = None
+    for up in (False, True):
+        terms = [(Fraction(_round_coef(float(c) * 1024, up), 1024), pb.cands[j])
+                 for c, j in zip(coefs, cols) if c > 1e-12]
+        fit = _finish(pb, terms, exact=False)
+        if all(fit.predict(p) >= y for p, y in zip(pb.points, pb.ys)):
+            break
+        fit = None
+    if fit is None:
         return None
     fit.notes.append(f"upper bound: never under-predicts a traced config, over-predicts by at most "
                      f"{fit.max_rel_residual:.2%}")
@@ -365,11 +412,13 @@ def upper_bound_fit(pb: _Problem, limit: int, only: tuple | None = None) -> Fit 
 
 # ------------------------------------------------------------------------------------------------- LOO
 def leave_one_out(fit: Fit, points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
-                  **kw) -> Fit:
+                  scales: Sequence[float] | None = None, **kw) -> Fit:
     """Refit without each distinct config in turn and predict it; fills fit.loo_*. Returns fit.
     Exact fits are searched afresh per fold (structure and coefficients); inexact/bound fits refit their own
     terms only (a fresh upper-bound search per fold would cost a linear program per candidate subset)."""
     pts, yv = _dedupe(points, ys)
+    # errors relative to |y|, or to a per-config scale (a bound point's: the config's peak)
+    sc = _scales_of(points, scales, pts) if scales is not None else [max(abs(float(y)), 1.0) for y in yv]
     errs, undetermined = [], 0
     own = [m for _, m in fit.terms]
     for i in range(len(pts)):
@@ -378,21 +427,22 @@ def leave_one_out(fit: Fit, points: Sequence[Point], ys: Sequence[int], cands: l
             if fit.exact:
                 held = fit_group(rest_p, rest_y, cands, **{**kw, "bound": 0.0, "tolerance": 0.0})
             else:
-                held = _refit_bound(rest_p, rest_y, own)
+                rest_sc = None if scales is None else np.concatenate([sc[:i], sc[i + 1:]])
+                held = _refit_bound(rest_p, rest_y, own, rest_sc)
         except FitRefused:
             undetermined += 1
             continue
-        errs.append(abs(float(held.predict(pts[i]) - yv[i])) / max(abs(float(yv[i])), 1.0))
+        errs.append(abs(float(held.predict(pts[i]) - yv[i])) / float(sc[i]))
     fit.loo_max_rel_err = max(errs) if errs else None
     fit.loo_undetermined = undetermined
     return fit
 
 
-def _refit_bound(points, ys, monos) -> Fit:
+def _refit_bound(points, ys, monos, scale=None) -> Fit:
     if not monos or len(points) < len(monos) + 2:
         raise FitRefused("underdetermined")
     pb = _Problem(list(points), list(ys), monos)
-    fit = upper_bound_fit(pb, len(monos), only=tuple(range(len(monos))))
+    fit = upper_bound_fit(pb, len(monos), only=tuple(range(len(monos))), scale=scale)
     if fit is None:
         raise FitRefused("no bound")
     return fit

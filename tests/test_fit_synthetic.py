@@ -376,3 +376,32 @@ def test_unfittable_point_is_left_out_only_below_the_fitted_peak():
     above = [_moe_sample(i, *c, flaky=(5 + i % 2) * c[0] * c[1] * c[2] * 4 + 4 * i) for i, c in enumerate(shapes)]
     out = group._OpFitter("layers.*", above).fit_points(above, "bwd_peak", above)
     assert isinstance(out, str) and out.startswith("point 3:")
+
+
+def test_unfittable_point_that_sets_a_peak_gets_an_upper_bound_with_a_peak_bound():
+    # The flaky level is the peak on every config: no exact formula, but with --peak-bound an upper bound of that
+    # point keeps the transient, never under a traced config and over by at most the bound (of its peak).
+    shapes = [(s, b, h, 4) for s, b, h, _ in MOE_SHAPES]
+    above = [_moe_sample(i, *c, flaky=(5 + i % 2) * c[0] * c[1] * c[2] * 4 + 4 * i) for i, c in enumerate(shapes)]
+    fit = group._OpFitter("layers.*", above, peak_bound=0.25).fit_points(above, "bwd_peak", above)
+    assert isinstance(fit, group.PointsFit) and not fit.exact
+    bound = next(f for f in fit.fits if f.point_index == 2)
+    assert any("upper bound" in n for n in bound.notes)
+    for s in above:
+        peak = max(s.points["bwd_peak"][0])
+        assert peak <= fit.predict(s.point) <= peak * 1.25
+
+
+def test_peak_reduction_takes_the_level_most_rows_show():
+    # Four layer rows of one iteration: a gloo thread shifted two of them by two hidden states, one each way.
+    assert dataset.reduce_values([179968, 204544, 188160, 188160], peak=True) == 188160
+    assert dataset.reduce_values([3, 1, 2], peak=True) == 3              # no level shared: cover every row
+    assert dataset.reduce_values([5, 5, 7, 7], peak=True) == 7           # a tie: cover every row
+    assert dataset.reduce_values([3, 1, 2, 2], peak=False) == 2          # saved bytes: the low median
+
+
+def test_input_batch_atoms_prefer_fixed_dtypes():
+    cands = basis.candidates("data.mask")
+    assert basis.family("data.tokens") == "data"
+    assert cands[0] == basis.parse_monomial("s*b") and cands[1] == basis.parse_monomial("s*s*b")
+    assert basis.parse_monomial("s*b*e") in cands
