@@ -1,7 +1,9 @@
 """The shipped CPU set (fit/sets/cpu_local.json) reproduces the committed training traces it was fitted from
 (fit/traces/cpu_local/, xz-packed): every per-layer op's saved bytes that it determines exactly, on every rank,
 layer and microbatch of iteration >= 1 (the few it leaves null are listed below), and every determined
-model-level quantity (embedding, final norm, logits, loss saved bytes; the optimizer step's transient) exactly.
+model-level quantity (input batch, embedding, final norm, logits, loss saved bytes; the optimizer step's transient)
+exactly; a quantity the set marks as an upper bound (not exact) must cover the traced value within its recorded
+residual.
 Reads the packed traces directly (about a second); no profiling, no megatron-core."""
 from __future__ import annotations
 
@@ -44,6 +46,17 @@ def _mono(vars_, point):
     for name, exp in vars_:
         out *= Fraction(point[name]) ** exp
     return out
+
+
+def _record(fset, fo, quantity):
+    """The set's provenance record of the fit behind `fo` for `quantity` (exact, max_rel_residual, notes)."""
+    return next(r for r in fset.provenance["fits"]
+                if r["op"] == fo.op and r["metric"] == quantity and r["when"] == dict(fo.when))
+
+
+def _bound_holds(pred, traced_max, rec) -> bool:
+    """An upper-bound fit: never under the traced value, over it by at most the fit's recorded residual."""
+    return traced_max <= pred <= traced_max * (1 + rec["max_rel_residual"] + 1e-9)
 
 
 def test_packed_traces_are_the_sets_provenance(data):
@@ -89,10 +102,12 @@ def test_every_layer_op_saved_bytes_reproduced_exactly(data):
     assert checked >= 500
 
 
-# Model-level bytes that differ between the ranks of one run with the data: the loss of these vocab-parallel configs
-# saves 576 B on one TP rank and 832 B on the other, swapping between iterations (which targets fall in a rank's
-# vocab shard). The set must stay within the traced range there.
-DATA_DEPENDENT = {("sel_sp_kv24_f384_v200", "loss", "saved"), ("sel_sp_tp4_h96", "loss", "saved")}
+# Model-level bytes that differ between the ranks of one run: the vocab-parallel loss (TP > 1) saves 9*s*b bytes on
+# one TP rank and 13*s*b on the other in some configs, swapping between iterations (which targets fall in a rank's
+# vocab shard, or a gloo all-reduce buffer still referenced when the forward step ends). The set must stay within the
+# traced range there.
+def _varies_between_ranks(s, q) -> bool:
+    return s.op == "loss" and q == "saved" and s.switches.get("tp") is True
 
 
 def test_determined_model_level_quantities_reproduced_exactly(data):
@@ -106,7 +121,13 @@ def test_determined_model_level_quantities_reproduced_exactly(data):
             if not determined or s.values.get(q) is None:
                 continue
             lo, hi = s.spread.get(q, (s.values[q], s.values[q]))
-            if (os.path.basename(s.run), s.op, q) in DATA_DEPENDENT and lo <= pred <= hi:
+            if _varies_between_ranks(s, q) and lo <= pred <= hi:
+                continue
+            rec = _record(fset, F.select(fset, s.op, s.switches), q)
+            if not rec["exact"]:   # an upper bound (a few bytes a gloo thread frees late on some configs)
+                if not _bound_holds(pred, hi, rec):
+                    misses.append(f"{os.path.basename(s.run)} {s.op} {q}: bound {pred}, trace {lo}..{hi}")
+                checked += 1
                 continue
             if not (pred == s.values[q] == hi):
                 misses.append(f"{os.path.basename(s.run)} {s.op} {q}: set {pred}, trace {lo}..{hi}")
@@ -135,6 +156,14 @@ def test_layer_transients_reproduced_exactly_at_every_fitted_point(data):
             if not fitted or q not in s.points:
                 continue
             pred = [_eval_terms(getattr(pf, q), s.point) for pf in fitted]
+            rec = _record(fset, fo, q)
+            if not rec["exact"]:
+                # Some points are upper bounds (FORMATS 4): the maximum covers the traced peak, within the bound.
+                if not _bound_holds(max(pred), max(s.points[q][0]), rec):
+                    misses.append(f"{os.path.basename(s.run)} {q}: set max {max(pred)} is no bound of the trace "
+                                  f"max {max(s.points[q][0])} within {rec['max_rel_residual']:.2%}")
+                checked += 1
+                continue
             traced = set(s.points[q][0])
             wrong = [p for p in pred if p not in traced]
             if wrong or max(pred) != max(s.points[q][0]):
