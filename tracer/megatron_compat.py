@@ -188,6 +188,79 @@ def _patch_moe() -> None:
             mod.all_to_all = all_to_all
 
 
+# Collectives megatron-core runs on its TP/EP/DP groups (bound by name at its import, so patched before it).
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base",
+                "_reduce_scatter_base", "all_to_all_single", "broadcast")
+_SETTLE_S = 0.02
+
+
+def _storages(args, kwargs) -> list:
+    """(storage, its use count now) of the op's tensors; the count includes the storage object held here."""
+    out = []
+    for a in list(args) + list(kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                out.append((s, torch._C._storage_Use_Count(s._cdata)))
+    return out
+
+
+def _settle(held: list) -> None:
+    """Wait (up to _SETTLE_S) until gloo's worker thread has dropped its references to the op's tensors.
+
+    gloo's worker marks the work complete, then drops the work (and with it the tensors) a moment later; when the
+    caller has already let go, the tensor is freed on that thread at an arbitrary later point of the trace, so
+    the same op's buffer lives longer on one rank than on its peer. On a GPU the caller's order decides."""
+    import time
+    deadline = time.perf_counter() + _SETTLE_S
+    while any(torch._C._storage_Use_Count(s._cdata) > n for s, n in held):
+        if time.perf_counter() > deadline:
+            return
+        time.sleep(0.0001)
+
+
+class _SettledWork:
+    """An async collective's Work whose wait() also settles its tensors (see _settle); megatron-core only waits on
+    its handles, once."""
+
+    def __init__(self, work, held):
+        self._work, self._held = work, held
+
+    def wait(self, *args, **kwargs):
+        if self._work is None:
+            return True
+        out = self._work.wait(*args, **kwargs)
+        # Let go of the Work (it holds views of the tensors) so that only gloo's worker may still hold them, then
+        # wait for that; no reference of ours outlives the op either.
+        self._work = None
+        _settle(self._held)
+        self._held = []
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _patch_collectives() -> None:
+    import torch.distributed as dist
+    for name in _COLLECTIVES:
+        orig = getattr(dist, name, None)
+        if orig is None or getattr(orig, "_memtrace", False):
+            continue
+
+        def settled(*args, _orig=orig, **kwargs):
+            held = _storages(args, kwargs)
+            work = _orig(*args, **kwargs)
+            if work is None:
+                _settle(held)
+                held.clear()
+                return None
+            return _SettledWork(work, held)
+        settled._memtrace = True
+        settled.__name__ = name
+        setattr(dist, name, settled)
+
+
 def install() -> None:
     """Apply every shim once per process (idempotent). Refuses to run where CUDA is actually available."""
     global _installed, _mode
@@ -196,6 +269,7 @@ def install() -> None:
             return
         if torch.cuda.is_available():
             raise RuntimeError("megatron_compat.install() is the CPU path; CUDA is available here")
+        _patch_collectives()   # first: megatron modules bind some collectives by name when imported
         _patch_torch_cuda()
         _patch_tensor_type()
         _patch_rng_tracker()
