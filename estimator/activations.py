@@ -3,8 +3,9 @@
 A chunk is what one forward/backward of the schedule runs on one rank: a run of transformer layers plus, where it
 holds them, the embedding (first chunk of stage 0) or final norm, output layer and loss (last chunk of the last
 stage), and what the model keeps of the microbatch's input batch (tokens and position ids read by the embedding,
-the loss mask read by the loss, the attention mask read by every layer). It is summarised as `saved` (bytes kept per in-flight microbatch), `fwd_extra` (transient above the level
-at chunk entry during its forward) and `bwd_extra` (transient above the level with all its saved bytes live).
+the loss mask read by the loss, the attention mask read by every layer). It is summarised as `saved` (bytes kept
+per in-flight microbatch), `fwd_extra` (transient above the level at chunk entry during its forward) and
+`bwd_extra` (transient above the level with all its saved bytes live).
 """
 from __future__ import annotations
 

@@ -154,9 +154,7 @@ class _OpFitter:
         """Exact fit of point k (a negative k counts from the scope's end) over the configs; FitRefused if none."""
         fit = fit_group([s.point for s in have], [s.points[metric][0][k] for s in have], cands,
                         fixed=fixed, ties=ties, bound=0.0, **{"exhaustive": POINT_EXHAUSTIVE, **self.kw})
-        fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), cands
-        fit.point_index = k
-        return fit
+        return _as_point(fit, have, k, fixed, ties, cands)
 
     def bound_or_none(self, have: list[Sample], metric: str, k: int, fixed, ties, cands) -> Fit | None:
         """Upper-bound fit (within self.peak_bound) of a point with no exact formula that sets some traced
@@ -170,9 +168,7 @@ class _OpFitter:
                             self.peak_bound, [max(s.points[metric][0]) for s in have], **self.kw)
         except FitRefused:
             return None
-        fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), cands
-        fit.point_index = k
-        return fit
+        return _as_point(fit, have, k, fixed, ties, cands)
 
     def fit_end_points(self, have: list[Sample], metric: str, part: list[Sample]):
         """Points of scopes whose allocation count changes with the shapes (an MoE layer loops over its local
@@ -337,6 +333,13 @@ def covers_peaks(fits: list, s: Sample, metric: str) -> bool:
     """The points of `fits` (their measured values on config s) reach s's largest point."""
     vals = s.points[metric][0]
     return bool(fits) and max(vals[f.point_index] for f in fits) == max(vals)
+
+
+def _as_point(fit: Fit, have: list[Sample], k: int, fixed, ties, cands) -> Fit:
+    """Tag a fit of point k with what leave-one-out and the notes need."""
+    fit.runs_used, fit.pins, fit.cands = sorted({s.run for s in have}), (fixed, ties), cands
+    fit.point_index = k
+    return fit
 
 
 def _argmax_at(s: Sample, metric: str, k: int) -> bool:

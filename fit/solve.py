@@ -372,8 +372,8 @@ def upper_bound_fit(pb: _Problem, limit: int, only: tuple | None = None, scale=N
 
     def solve_lp(cols: tuple):
         A = pb.Xn[:, cols]
-        res = linprog(c=(w[:, None] * A).sum(axis=0), A_ub=-A, b_ub=-pb.y,
-                      bounds=[(0, None)] * len(cols), method="highs")
+        res = linprog(c=(w[:, None] * A).sum(axis=0), A_ub=-A, b_ub=-pb.y, bounds=[(0, None)] * len(cols),
+                      method="highs")
         return (float(res.fun - (w * pb.y).sum()), res.x) if res.status == 0 else (float("inf"), None)
 
     k = len(pb.cands)

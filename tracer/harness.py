@@ -264,25 +264,21 @@ def get_batch(data_iterator, with_data: bool) -> dict:
     loss mask: read by the loss), `data:mask`. Chunks holding neither get only the attention mask: Megatron-LM
     passes None there, but megatron-core then builds its default causal mask on "cuda", which cannot run on CPU."""
     dev = _device()
-    if not with_data:
-        mb = next(data_iterator)
-        with scopes.scope("data:mask"):
-            return {"tokens": None, "labels": None, "loss_mask": None, "position_ids": None,
-                    "attention_mask": torch.ones(mb.b, 1, mb.s, mb.s, dtype=torch.bool, device=dev).triu_(1)}
     mb = next(data_iterator)
     s, b, v = mb.s, mb.b, mb.v
-    with scopes.scope("data:tokens"):
-        g = torch.Generator().manual_seed(mb.seed * 1_000_003 + mb.first_sample)
-        starts = torch.randint(0, v, (b, 1), generator=g).to(dev)
-        tokens = (starts + torch.arange(s, device=dev)) % v
-        position_ids = torch.arange(s, device=dev).repeat(b, 1)
-    with scopes.scope("data:labels"):
-        labels = (tokens + 1) % v
-        loss_mask = torch.ones(b, s, device=dev)
+    batch = dict.fromkeys(("tokens", "labels", "loss_mask", "position_ids"))
+    if with_data:
+        with scopes.scope("data:tokens"):
+            g = torch.Generator().manual_seed(mb.seed * 1_000_003 + mb.first_sample)
+            starts = torch.randint(0, v, (b, 1), generator=g).to(dev)
+            batch["tokens"] = (starts + torch.arange(s, device=dev)) % v
+            batch["position_ids"] = torch.arange(s, device=dev).repeat(b, 1)
+        with scopes.scope("data:labels"):
+            batch["labels"] = (batch["tokens"] + 1) % v
+            batch["loss_mask"] = torch.ones(b, s, device=dev)
     with scopes.scope("data:mask"):
-        mask = torch.ones(b, 1, s, s, dtype=torch.bool, device=dev).triu_(1)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "attention_mask": mask,
-            "position_ids": position_ids}
+        batch["attention_mask"] = torch.ones(b, 1, s, s, dtype=torch.bool, device=dev).triu_(1)
+    return batch
 
 
 def _holds_data(model) -> bool:

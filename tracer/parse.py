@@ -41,6 +41,7 @@ PARAMETER, GRADIENT, OPTIMIZER, SAVED, TEMPORARY, COMMUNICATION, OTHER = range(l
 
 # Scope kinds, from the name prefixes of FORMATS 2.3.
 K_OTHER, K_ITER, K_FWD, K_BWD, K_MOD, K_BWDLAYER, K_RECOMPUTE, K_OPTIM, K_COMM, K_LOSS, K_DATA = range(11)
+_OP_KINDS = (K_MOD, K_LOSS, K_DATA)   # scopes that name an op (FORMATS 2.3)
 _COMM_NAMES = {"grad_sync", "param_gather", "pp_send", "pp_recv"}
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
 _EXPERT_RE = re.compile(r"\.local_experts\.\d+(?=\.|$)")
@@ -277,7 +278,7 @@ def _allocations(sc: Scopes, m_idx, f_idx, size, n, names) -> dict:
     k = sc.kind
     phase_row = inherit(sc, np.isin(k, (K_FWD, K_BWD, K_BWDLAYER, K_RECOMPUTE, K_OPTIM, K_COMM)))
     ctx = {
-        "op": inherit(sc, np.isin(k, (K_MOD, K_LOSS, K_DATA))),
+        "op": inherit(sc, np.isin(k, _OP_KINDS)),
         "fwd": inherit(sc, k == K_FWD),
         "iter": inherit(sc, k == K_ITER),
         "phase": phase_row,
@@ -373,7 +374,7 @@ def _op_stats(pr: ParsedRank) -> list[dict]:
     info = {t: _classify_name(nm) for t, nm in enumerate(names)}
     num = lambda row: info[int(sc.tag[row])][1] if row >= 0 else None   # noqa: E731
     rows: dict[tuple, dict] = {}
-    fwd_ops = np.flatnonzero(np.isin(sc.kind, (K_MOD, K_LOSS, K_DATA)) & (fwd_row >= 0) & (rec_row < 0))
+    fwd_ops = np.flatnonzero(np.isin(sc.kind, _OP_KINDS) & (fwd_row >= 0) & (rec_row < 0))
     for i in fwd_ops:
         _, _, op, layer = info[int(sc.tag[i])]
         key = (op, layer, num(mb_row[i]), num(it_row[i]))
