@@ -233,3 +233,54 @@ def test_parser_reads_harness_traces(runs):
     pr = parse_run(str(out))[0]
     assert pr.peak_bytes == pr.header["allocator_peak_bytes"]
     assert {r["op"] for r in pr.op_stats} >= {"layers.*.mlp.linear_fc1", "embedding"}
+
+
+# ---- per-op segments (tracer.segments): the forward and backward of every microbatch attributed op by op
+
+def _phases(traces):
+    from tracer.parse import parse_trace
+    from tracer.segments import rank_segments
+    for t in traces:
+        pr = parse_trace(t)
+        by: dict = {}
+        for s in rank_segments(pr):
+            by.setdefault((s.phase, s.iteration, s.microbatch, s.chunk), []).append(s)
+        yield pr, by
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_segments_partition_every_phase(runs, name):
+    """Segments tile each fwd:/bwd: scope and replaying their deltas and peaks gives its exact levels and peak."""
+    for pr, by in _phases(_ranks(runs, name)):
+        assert {k[0] for k in by} == {"fwd", "bwd"}
+        for key, segs in by.items():
+            scope_row = next(i for i in range(len(pr.scopes.open)) if pr.scopes.open[i] == segs[0].start)
+            assert segs[-1].end == pr.scopes.close[scope_row], key
+            level, top = int(pr.live[segs[0].start]), 0
+            for a, b in zip(segs, segs[1:]):
+                assert a.end == b.start, key
+            for s in segs:
+                top = max(top, level + s.peak)
+                level += s.delta
+                assert level == pr.live[s.end], (key, s.label)
+            assert top == pr.live[segs[0].start:segs[-1].end + 1].max(), key
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "full"])
+def test_backward_segments_mirror_forward(runs, name):
+    """A microbatch's backward visits its ops' segments in the reverse of their forward order (so an estimator can
+    replay a backward from the forward's op structure), and every layer op's backward is bracketed by its marks."""
+    for pr, by in _phases(_ranks(runs, name)):
+        for (phase, it, mb, chunk), bwd in by.items():
+            if phase != "bwd" or it < 1:
+                continue
+            fwd = [(s.label, s.layer) for s in reversed(by[("fwd", it, mb, chunk)])]
+            pos = 0
+            for s in bwd:
+                if s.label == "step" or (s.delta == 0 and s.peak == 0):
+                    continue
+                assert (s.label, s.layer) in fwd[pos:], (name, mb, s.label, s.layer, fwd[pos:pos + 5])
+                pos = fwd.index((s.label, s.layer), pos)
+            labels = {s.label for s in bwd}
+            assert "layers.*.self_attention.linear_qkv" in labels and any(
+                lb.endswith("linear_fc1") for lb in labels), labels

@@ -54,6 +54,8 @@ def normalise_op(path: str) -> tuple[str, int | None]:
     parts = path.split(".") if path else []
     while parts and (parts[0] == "module" or parts[0].isdigit()):
         parts.pop(0)
+    if parts == ["decoder"]:
+        return "decoder", None      # the TransformerBlock's own code (between layers, its final norm)
     if parts and parts[0] == "decoder":
         parts.pop(0)
     rest = ".".join(parts)

@@ -6,6 +6,9 @@ user's own pretrain_gpt.py alike:
   * `bwdlayer:<path>` per transformer layer via autograd hooks (a node pre-hook on the layer output's grad_fn
     opens it, a tensor hook on the layer input closes it) -- full backward hooks on every module break Megatron;
   * `recompute:<path>` for modules re-run inside megatron's CheckpointFunction.backward;
+  * backward marks per op, `bwd>` + path when the backward reaches the op's output (a pre-hook on its grad_fn)
+    and `bwd<` + path when the gradient of its input is complete (a hook on the input tensor): between them the
+    records belong to that op's backward, so a layer's backward is attributed per op (FORMATS 2.3);
   * `fwd:<mb>` / `bwd:<mb>` (`:c<chunk>` with virtual stages) by wrapping schedules.forward_step/backward_step;
   * `pp_send` / `pp_recv` (P2PCommunicator), `grad_sync` (finalize_model_grads), `param_gather`
     (DDP.start_param_sync), `loss` (LanguageModule.compute_language_model_loss), `optim` (optimizer.step).
@@ -75,6 +78,9 @@ def scoped(name: str, fn):
 # ---- module names ------------------------------------------------------------------------------------------
 
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)$")
+# megatron-core's placeholders for absent submodules (cross attention in a GPT layer, qk-layernorm when off):
+# they pass their input through, so a scope for them would only cut their parent's code in two.
+_IDENTITY_MODULES = ("IdentityOp", "IdentityFuncOp")
 
 
 def _strip_wrappers(path: str) -> str:
@@ -95,6 +101,9 @@ def register_root(root) -> None:
             if name == old or name.startswith(old + "."):
                 name = new + name[len(old):]
                 break
+        if type(mod).__name__ in _IDENTITY_MODULES:
+            _names.setdefault(id(mod), "")   # no scope: nothing of their own, forward or backward
+            continue
         m = _LAYER_RE.search(name)
         if m and hasattr(mod, "layer_number"):
             new = name[: m.start(2)] + str(int(mod.layer_number) - 1)
@@ -148,6 +157,8 @@ def _post_hook(mod, args, kwargs, output):
     if not _enabled or not _pending_recompute_pops:
         return None
     name = _names.get(id(mod), "")
+    if name and torch.is_grad_enabled():
+        mark_backward(name, _first_tensor(args, kwargs), output)
     if name:
         if _is_layer(mod) and torch.is_grad_enabled():
             # Not under no_grad (the first pass of full recompute): that pass has no backward of its own.
@@ -176,6 +187,29 @@ def _hook_layer_output(out, name):
     if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
         label = "bwdlayer:" + name
         out.grad_fn.register_prehook(lambda grads: (push(label), None)[1])
+
+
+def _first_of(x):
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        return next((y for y in x if isinstance(y, torch.Tensor)), None)
+    return None
+
+
+def mark_backward(name: str, inp, output) -> None:
+    """Bracket the backward of op `name` by marks: `bwd>name` when autograd reaches the grad_fn of its output,
+    `bwd<name` when its input's gradient is complete. A module whose output is its input (IdentityOp) has no
+    backward of its own; one whose output is a child's output shares the child's grad_fn (the parser orders
+    marks that fall on the same moment by the forward nesting)."""
+    out = _first_of(output)
+    if out is None or out is inp or not out.requires_grad or out.grad_fn is None:
+        return
+    enter, leave = "bwd>" + name, "bwd<" + name
+    out.grad_fn.register_prehook(lambda grads: (mark(enter), None)[1])
+    if inp is not None and inp.requires_grad:
+        inp.register_hook(lambda g: (mark(leave), None)[1])
 
 
 def attach_module_hooks() -> None:
@@ -221,6 +255,20 @@ def _wrap_backward_step(orig):
             return orig(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     backward_step._memtrace_orig = orig
     return backward_step
+
+
+def _loss_scoped(orig):
+    """compute_language_model_loss in a `loss` scope, its backward bracketed like a module's (mark_backward)."""
+    @functools.wraps(orig)
+    def compute_language_model_loss(self, labels, logits, *args, **kwargs):
+        import torch
+        with scope("loss"):
+            out = orig(self, labels, logits, *args, **kwargs)
+        if torch.is_grad_enabled():
+            mark_backward("loss", logits, out)
+        return out
+    compute_language_model_loss._memtrace_orig = orig
+    return compute_language_model_loss
 
 
 def _wrap_checkpoint_backward(orig):
@@ -274,7 +322,7 @@ def patch_megatron() -> None:
     DDP = ddp_mod.DistributedDataParallel
     DDP.start_param_sync = scoped("param_gather", DDP.start_param_sync)
     LM = lm.LanguageModule
-    LM.compute_language_model_loss = scoped("loss", LM.compute_language_model_loss)
+    LM.compute_language_model_loss = _loss_scoped(LM.compute_language_model_loss)
     CF = mrandom.CheckpointFunction
     CF.backward = _wrap_checkpoint_backward(CF.backward)
     _patched = True
