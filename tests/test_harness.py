@@ -284,3 +284,16 @@ def test_backward_segments_mirror_forward(runs, name):
             labels = {s.label for s in bwd}
             assert "layers.*.self_attention.linear_qkv" in labels and any(
                 lb.endswith("linear_fc1") for lb in labels), labels
+
+
+def test_report_lists_segments(runs, capsys):
+    """`python -m tracer.report --segments --json`: microbatch 0's segments, forward then backward, levels summed."""
+    from tracer import report
+    _, _, out = runs["tp1"]
+    assert report.main([str(out), "--segments", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranks"][0]["segments"]
+    for phase in ("fwd", "bwd"):
+        run = [r for r in rows if r["phase"] == phase]
+        assert run and all(r["peak_bytes"] >= max(0, r["delta_bytes"]) for r in run)
+        assert [r["level_bytes"] for r in run] == list(np.cumsum([r["delta_bytes"] for r in run]))
+    assert {r["label"] for r in rows if r["phase"] == "bwd"} >= {"layers.*.mlp.linear_fc1", "loss", "output_layer"}

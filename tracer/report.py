@@ -67,6 +67,36 @@ def rank_json(pr: ParsedRank, top: int = 20) -> dict:
             "steady_iteration": steady_iteration(pr), "op_summary": op_summary(pr), "op_stats": pr.op_stats}
 
 
+def segment_rows(pr: ParsedRank) -> list[dict]:
+    """The per-op segments (tracer.segments, FORMATS 3.1) of the steady iteration's first microbatch (all its chunks),
+    forward then backward, with the level each leaves above the phase's entry."""
+    from .segments import rank_segments
+    segs = rank_segments(pr)
+    if not segs:
+        return []
+    it = max(s.iteration for s in segs)
+    out = []
+    for phase in ("fwd", "bwd"):
+        run = [s for s in segs if s.iteration == it and s.microbatch == 0 and s.phase == phase]
+        level = 0
+        for s in run:
+            level += s.delta
+            out.append({"phase": phase, "iteration": it, "chunk": s.chunk, "label": s.label, "layer": s.layer,
+                        "delta_bytes": s.delta, "peak_bytes": s.peak, "level_bytes": level})
+    return out
+
+
+def format_segments(pr: ParsedRank) -> str:
+    rows = [r for r in segment_rows(pr) if r["delta_bytes"] or r["peak_bytes"]]
+    L = [f"segments of microbatch 0, iteration {rows[0]['iteration'] if rows else '-'} (MiB; level = after the "
+         f"segment, above the phase's entry; segments that allocate nothing left out):",
+         f"  {'phase':<5}  {'delta':>10}  {'peak':>10}  {'level':>10}  {'layer':>5}  segment"]
+    for r in rows:
+        L.append(f"  {r['phase']:<5}  {mib(r['delta_bytes']):>10}  {mib(r['peak_bytes']):>10}  "
+                 f"{mib(r['level_bytes']):>10}  {'' if r['layer'] is None else r['layer']:>5}  {r['label']}")
+    return "\n".join(L)
+
+
 def format_rank(pr: ParsedRank, top: int = 15) -> str:
     j = rank_json(pr, top)
     L = []
@@ -108,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--png", metavar="OUT.png", help="write a live-memory timeline plot, one panel per rank")
     ap.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
     ap.add_argument("--top", type=int, default=15, help="contributors listed at the peak (default 15)")
+    ap.add_argument("--segments", action="store_true",
+                    help="also list microbatch 0's per-op segments, forward and backward (FORMATS 3.1)")
     a = ap.parse_args(argv)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -120,9 +152,14 @@ def main(argv=None) -> int:
             if not ranks:
                 raise TraceFormatError(f"{a.path}: no rank among {a.rank}")
         if a.json:
-            print(json.dumps({"ranks": [rank_json(r, a.top) for r in ranks]}, indent=1))
+            docs = [rank_json(r, a.top) for r in ranks]
+            if a.segments:
+                for d, r in zip(docs, ranks):
+                    d["segments"] = segment_rows(r)
+            print(json.dumps({"ranks": docs}, indent=1))
         else:
-            print("\n\n".join(format_rank(r, a.top) for r in ranks))
+            print("\n\n".join(format_rank(r, a.top) + ("\n" + format_segments(r) if a.segments else "")
+                                for r in ranks))
         if a.snapshot:
             from .export import save_snapshot
             save_snapshot(ranks, a.snapshot)
