@@ -254,10 +254,10 @@ class Crosscheck:
     allocations, so the peak follows an allocation; if that allocation ran on a thread the profiler does not see,
     the cross-check reads low). Also reported: the peak of a plain replay of the events' deltas from the first
     event's level (what the profiler alone would say), and the net bytes that changed on unprofiled threads.
-    Measured (megatron-core 0.16.1, torch 2.13.0 CPU, 55 ranks of benchmarks/accuracy_random.py): the peak equals
-    the tracer's to the byte on every rank; the plain replay reads high by up to 2.7 MB on 32 of them (gloo frees
-    collective buffers on its own threads); without the flag the profiler's totals read high the same way (a TP-2
-    + SP run: +5.8% and +1.9%).
+    Measured (megatron-core 0.16.1, torch 2.13.0 CPU, the 55 ranks of benchmarks/accuracy_random.py): the peak
+    equals the tracer's to the byte on every rank; the plain replay reads high on 42 of them, by up to 4.0 MB
+    (10.6%: gloo frees collective buffers on its own threads); without the flag the profiler's totals read high
+    the same way (a TP-2 + SP run: +5.8% and +1.9%).
     """
 
     FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
