@@ -157,12 +157,17 @@ def profile(cfg: dict, out_dir: str, iterations: int, timeout: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ predicting
-def predict(cfg: dict, formulas: str) -> list[dict]:
-    """The estimator's ranks[] (JSON report rows, one per global rank) for this config and formula set."""
+def predict_json(cfg: dict, formulas: str) -> dict:
+    """The estimator's whole JSON report (`--json`) for this config and formula set."""
     from estimator import cli
     from estimator import report as R
     rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + cfg["argv"], formulas=formulas)
-    return R.to_json(rep)["ranks"]
+    return R.to_json(rep)
+
+
+def predict(cfg: dict, formulas: str) -> list[dict]:
+    """The estimator's ranks[] (JSON report rows, one per global rank) for this config and formula set."""
+    return predict_json(cfg, formulas)["ranks"]
 
 
 def measured(run_dir: str, nproc: int) -> list[dict]:
@@ -198,20 +203,56 @@ def detail_rows(run_dir: str, ranks_fit: list[dict]) -> list[str]:
     return lines
 
 
+def summary(rows: list[dict], key: str) -> tuple[str, bool]:
+    """One summary line for the rows' `key` predictions ("fitted" / "modelled": max |error|, worst
+    under-prediction, ranks within TARGET_ABS, ranks under by more than TARGET_UNDER) and whether they meet the
+    targets."""
+    vals = [r for r in rows if r.get(key) is not None]
+    if not vals:
+        return f"{key:9s}: no predictions", False
+    errs = [r[key + "_err"] for r in vals]
+    worst = max(vals, key=lambda r: abs(r[key + "_err"]))
+    under = min(vals, key=lambda r: r[key + "_err"])
+    under_s = (f"{under[key + '_err']:+.2f}% ({under['config']} rank {under['rank']})"
+               if under[key + "_err"] < 0 else "none")
+    within = sum(abs(e) <= TARGET_ABS for e in errs)
+    below = sum(e < -TARGET_UNDER for e in errs)
+    line = (f"{key:9s}: max |error| {abs(worst[key + '_err']):.2f}% ({worst['config']} rank {worst['rank']}); "
+            f"worst under-prediction {under_s}; {within}/{len(vals)} ranks within {TARGET_ABS:g}%, {below} under by "
+            f"more than {TARGET_UNDER:g}%; {len({r['config'] for r in vals})} configs")
+    return line, within == len(vals) and below == 0
+
+
 # ------------------------------------------------------------------------------------------------ main
+def common_options(ap: argparse.ArgumentParser, out_default: str) -> None:
+    """The options accuracy.py and accuracy_random.py share: cache, formula sets, targets, output."""
+    ap.add_argument("--out", default=out_default, help=f"trace cache (default {os.path.relpath(out_default, ROOT)})")
+    ap.add_argument("--fitted", default=DEFAULT_FITTED, help="fitted formula set (name or file)")
+    ap.add_argument("--modelled", default="modelled", help="modelled formula set (name or file)")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument("--reprofile", action="store_true", help="profile again even when cached traces exist")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per profiler run")
+
+
+def load_sets(args):
+    """(fitted set or None with a warning, modelled set) named by --fitted / --modelled."""
+    from estimator import formulas as F
+    fitted = None
+    try:
+        fitted = F.load(args.fitted)
+    except F.FormulaError as exc:
+        print(f"warning: no fitted set: {exc}", file=sys.stderr)
+    return fitted, F.load(args.modelled)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="benchmarks/accuracy.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--grid", default=DEFAULT_GRID)
-    ap.add_argument("--out", default=DEFAULT_OUT, help="trace cache (default runs/accuracy)")
-    ap.add_argument("--fitted", default=DEFAULT_FITTED, help="fitted formula set (name or file)")
-    ap.add_argument("--modelled", default="modelled", help="modelled formula set (name or file)")
     ap.add_argument("--quick", action="store_true", help="only the configs marked quick (2; for CI)")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="only these configs")
-    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    ap.add_argument("--reprofile", action="store_true", help="profile again even when cached traces exist")
     ap.add_argument("--detail", action="store_true", help="per rank: categories and phases, measured vs fitted")
-    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per profiler run")
+    common_options(ap, DEFAULT_OUT)
     args = ap.parse_args(argv)
 
     try:
@@ -231,13 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in configs if c["name"] in args.only]
     iterations = int(grid.get("iterations", 3))
 
-    from estimator import formulas as F
-    fitted = None
-    try:
-        fitted = F.load(args.fitted)
-    except F.FormulaError as exc:
-        print(f"warning: no fitted set: {exc}", file=sys.stderr)
-    modelled = F.load(args.modelled)
+    fitted, modelled = load_sets(args)
 
     # Held out: no benchmark config may equal a config the fitted set (or any fit grid) was made from.
     prov, grids = training_configs(fitted.path if fitted else None)
@@ -305,22 +340,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(line)
     print()
     ok = not failures and bool(rows)
-    for key, label in (("fitted", "fitted"), ("modelled", "modelled")):
-        vals = [r for r in rows if r[key] is not None]
-        if not vals:
-            print(f"{label:9s}: no predictions")
-            if key == "fitted":
-                ok = False
-            continue
-        worst = max(vals, key=lambda r: abs(r[key + "_err"]))
-        under = min(vals, key=lambda r: r[key + "_err"])
-        under_s = (f"{under[key + '_err']:+.2f}% ({under['config']} rank {under['rank']})"
-                   if under[key + "_err"] < 0 else "none")
-        print(f"{label:9s}: max |error| {abs(worst[key + '_err']):.2f}% ({worst['config']} rank {worst['rank']}); "
-              f"worst under-prediction {under_s}; {len(vals)} ranks, {len({r['config'] for r in vals})} configs")
-        if key == "fitted":
-            if abs(worst[key + "_err"]) > TARGET_ABS or under[key + "_err"] < -TARGET_UNDER:
-                ok = False
+    for key in ("fitted", "modelled"):
+        line, met = summary(rows, key)
+        print(line)
+        if key == "fitted" and not met:
+            ok = False
     print(f"targets (fitted set): every rank within {TARGET_ABS:g}%, no under-prediction beyond {TARGET_UNDER:g}%: "
           f"{'met' if ok else 'MISSED'}" + (f"; failed runs: {', '.join(failures)}" if failures else ""))
     if t_prof:

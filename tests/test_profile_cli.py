@@ -28,6 +28,13 @@ def test_balanced_routing_is_a_launcher_option_not_a_megatron_flag():
     assert not parse_options(["--", "--balanced-routing"]).balanced_routing
 
 
+def test_crosscheck_is_a_launcher_option_for_cpu_runs():
+    o = parse_options(["--cpu", "--crosscheck", "--", *MODEL])
+    assert o.crosscheck and o.flags == MODEL
+    with pytest.raises(UsageError, match="--crosscheck needs --cpu"):
+        parse_options(["--crosscheck", "--", *MODEL])
+
+
 def test_options_mixed_with_flags_without_double_dash():
     o = parse_options([*MODEL[:4], "--cpu", "--iterations", "2", *MODEL[4:]])
     assert o.cpu and o.iterations == 2 and o.flags == MODEL
