@@ -88,14 +88,18 @@ def build():
                 note="selective recompute: only the output survives the forward")
         else:
             gqa_kv = [mul(2, A)]  # repeat_interleave'd K and V (a heads) when g < a
+            # The forward keeps the raw scores (e) to its end; the peak is the S2 bytes live at once, plus 2A
+            # for the context (bmm output and its contiguous copy) as an upper bound where the two do not meet.
             variants = {  # (dtype, softmax in fp32?, dropout) -> (saved S2 bytes, fwd S2 bytes, bwd S2 bytes)
-                # fp32: softmax output (e=4) saved by bmm; with dropout add its output (e) and mask (1 byte on GPU)
-                ("fp32", True, False): (4, 8, 12), ("fp32", True, True): (9, 9, 12),
+                # fp32: softmax output (e=4) saved by bmm; with dropout add its output (e) and mask (1 byte on GPU);
+                # forward: scores + softmax output (+ mask + dropout output)
+                ("fp32", True, False): (4, 8, 12), ("fp32", True, True): (9, 13, 12),
                 # 16-bit with --attention-softmax-in-fp32 (or --apply-query-key-layer-scaling): fp32 softmax (4)
-                # + 16-bit probs (2); the forward also holds the fp32 copy of the scores the softmax reads
-                (None, True, False): (6, 10, 12), (None, True, True): (7, 10, 12),
+                # + 16-bit probs (2); forward peak at the cast back: scores (2) + their fp32 copy (4) + fp32 (4)
+                # and 16-bit (2) probs = 12 (CPU traces, megatron-core 0.16.1, bf16: 12 exactly)
+                (None, True, False): (6, 12, 12), (None, True, True): (7, 12, 12),
                 # 16-bit, Megatron-LM's default: the softmax runs in the model's dtype, like fp32 with e = 2
-                (None, False, False): (2, 4, 6), (None, False, True): (5, 5, 6),
+                (None, False, False): (2, 4, 6), (None, False, True): (5, 7, 6),
             }
             for (dtype, fp32_softmax, drop), (sv, fw, bw) in variants.items():
                 for gqa in (False, True):
