@@ -43,6 +43,24 @@ class TrainingConfig:
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    # --- numerics and kernel fusions: Megatron-LM copies these into TransformerConfig, where some defaults differ
+    # (attention_softmax_in_fp32 defaults on there, the fusions off). Only the softmax precision changes the
+    # estimate (formula switch softmax_fp32); the rest is recorded for the harness and the trace headers. ---
+    attention_softmax_in_fp32: bool = False
+    apply_query_key_layer_scaling: bool = False  # implies attention_softmax_in_fp32
+    fp32_residual_connection: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    rotary_interleaved: bool = False
+    bias_gelu_fusion: bool = True  # derived: off without --add-bias-linear's biases
+    bias_swiglu_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    apply_rope_fusion: bool = True  # derived: off unless position_embedding_type is rope
+    no_persist_layer_norm: bool = False
+    gradient_accumulation_fusion: bool = True
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: str = "native"
+    calculate_per_token_loss: bool = False
     # --- vocabulary ---
     vocab_size: Optional[int] = None
     vocab_file: Optional[str] = None
@@ -156,6 +174,7 @@ _CHOICES = {
     "moe_router_score_function": ["softmax", "sigmoid"],
     "recompute_granularity": ["full", "selective"],
     "recompute_method": ["uniform", "block"],
+    "cross_entropy_fusion_impl": ["native", "te"],
     "transformer_impl": ["local", "transformer_engine", "inference_optimized"],
     "attention_backend": ["flash", "fused", "unfused", "local", "auto"],
     "optimizer": ["adam", "sgd"],
@@ -185,6 +204,21 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
     "--hidden-dropout": ("hidden_dropout", "float"),
     "--attention-dropout": ("attention_dropout", "float"),
+    "--attention-softmax-in-fp32": ("attention_softmax_in_fp32", "true"),
+    "--apply-query-key-layer-scaling": ("apply_query_key_layer_scaling", "true"),
+    "--fp32-residual-connection": ("fp32_residual_connection", "true"),
+    "--apply-residual-connection-post-layernorm": ("apply_residual_connection_post_layernorm", "true"),
+    "--rotary-interleaved": ("rotary_interleaved", "true"),
+    "--no-bias-gelu-fusion": ("bias_gelu_fusion", "false"),
+    "--no-bias-swiglu-fusion": ("bias_swiglu_fusion", "false"),
+    "--no-masked-softmax-fusion": ("masked_softmax_fusion", "false"),
+    "--no-bias-dropout-fusion": ("bias_dropout_fusion", "false"),
+    "--no-rope-fusion": ("apply_rope_fusion", "false"),
+    "--no-persist-layer-norm": ("no_persist_layer_norm", "true"),
+    "--no-gradient-accumulation-fusion": ("gradient_accumulation_fusion", "false"),
+    "--cross-entropy-loss-fusion": ("cross_entropy_loss_fusion", "true"),
+    "--cross-entropy-fusion-impl": ("cross_entropy_fusion_impl", "str"),
+    "--calculate-per-token-loss": ("calculate_per_token_loss", "true"),
     "--vocab-size": ("vocab_size", "int"),
     "--vocab-file": ("vocab_file", "str"),
     "--tokenizer-type": ("tokenizer_type", "str"),
@@ -417,6 +451,15 @@ def derive(cfg: TrainingConfig) -> None:
         cfg.sequence_parallel = False
     if cfg.add_bias_linear:
         cfg.add_qkv_bias = True  # Megatron keeps the two in sync: a bias everywhere includes QKV
+    else:
+        cfg.bias_gelu_fusion = False  # no bias, no fused bias-gelu (the swiglu fusion stays as given)
+    if cfg.position_embedding_type != "rope":
+        cfg.apply_rope_fusion = False
+    if cfg.apply_query_key_layer_scaling:
+        cfg.attention_softmax_in_fp32 = True  # as megatron-core's TransformerConfig sets it too
+    balancing = cfg.moe_router_load_balancing_type
+    if isinstance(balancing, list) and len(balancing) == 1:
+        cfg.moe_router_load_balancing_type = balancing[0]
     if cfg.num_experts == 0:
         cfg.num_experts = None
     if cfg.num_experts is not None and cfg.moe_ffn_hidden_size is None:
@@ -426,6 +469,9 @@ def derive(cfg: TrainingConfig) -> None:
                             "sequence parallelism must be used")
 
     _derive_precision(cfg)
+    if cfg.fp32_residual_connection and cfg.params_dtype != "fp32":
+        cfg.warnings.append("--fp32-residual-connection is not modelled: activations are estimated with a "
+                            f"{cfg.params_dtype} residual stream (megatron-core casts the embedding output to fp32)")
     _derive_virtual_pipeline(cfg)
     cfg.padded_vocab_size = _padded_vocab_size(cfg)
     cfg.attention_kernel = _attention_kernel(cfg)
@@ -535,6 +581,8 @@ def validate(cfg: TrainingConfig) -> None:
     if cfg.max_position_embeddings < cfg.seq_length:
         raise ConfigError(f"max_position_embeddings ({cfg.max_position_embeddings}) must be greater than or "
                           f"equal to seq_length ({cfg.seq_length}).")
+    if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):
+        raise ConfigError("residual connection in fp32 only supported when using fp16 or bf16.")
     if cfg.position_embedding_type in ("mrope", "relative"):
         raise ConfigError(f"--position-embedding-type {cfg.position_embedding_type} is not modelled by the "
                           "estimator (learned_absolute, rope, none)")
@@ -623,11 +671,8 @@ def _validate_moe(cfg: TrainingConfig) -> None:
             raise ConfigError("Number of experts should be a multiple of expert model parallel_size.")
     if not cfg.is_moe:
         return
-    balancing = cfg.moe_router_load_balancing_type
-    if isinstance(balancing, list) and len(balancing) == 1:
-        balancing = balancing[0]
     if (cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax
-            and balancing != "sinkhorn"):
+            and cfg.moe_router_load_balancing_type != "sinkhorn"):
         raise ConfigError("Please use --moe-router-pre-softmax when topk is 1.")   # megatron-core's own check
     if cfg.moe_router_topk > cfg.num_experts:
         raise ConfigError(f"moe_router_topk ({cfg.moe_router_topk}) must not exceed num_experts "

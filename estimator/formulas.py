@@ -42,6 +42,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "dropout": (True, False),
     "gqa": (True, False),
     "tp": (True, False),
+    "softmax_fp32": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -438,12 +439,13 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         rg = "selective"
     pos = _get(cfg, "position_embedding_type", "learned_absolute")
     v = env if env is not None else variables(cfg)
+    dtype = dtype_of(cfg)
     return {
         "attention": attention_kernel(cfg),
         "sp": bool(_get(cfg, "sequence_parallel", False)),
         "recompute": rg if rg in ("selective", "full") else "none",
         "activation": "swiglu" if _get(cfg, "swiglu", False) else "gelu",
-        "dtype": dtype_of(cfg),
+        "dtype": dtype,
         "position": "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none",
         "normalization": "RMSNorm" if _get(cfg, "normalization", "LayerNorm") == "RMSNorm" else "LayerNorm",
         "moe": bool(v["E"]),
@@ -453,6 +455,10 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "dropout": bool(_get(cfg, "hidden_dropout", 0.1) or _get(cfg, "attention_dropout", 0.1)),
         "gqa": v["g"] != v["a"],
         "tp": v["t"] > 1,
+        # Megatron-LM runs the unfused attention softmax of a 16-bit model in its dtype unless
+        # --attention-softmax-in-fp32 (or --apply-query-key-layer-scaling, which implies it) is given.
+        "softmax_fp32": dtype == "fp32" or bool(_get(cfg, "attention_softmax_in_fp32", False)
+                                                or _get(cfg, "apply_query_key_layer_scaling", False)),
     }
 
 

@@ -148,6 +148,10 @@ def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
     cfg = hdr.get("config")
     if not isinstance(cfg, dict):
         raise DatasetError(f"{path}: rank header has no 'config' (not written by the profiler?)")
+    if "attention_softmax_in_fp32" not in cfg:
+        # Traced before the harness read --attention-softmax-in-fp32: it ran megatron-core's default, the softmax
+        # in fp32 (the switch softmax_fp32 then holds whatever the dtype).
+        cfg = {**cfg, "attention_softmax_in_fp32": True}
     if cfg.get("num_experts") and hdr.get("routing") != "balanced":
         raise DatasetError(f"{path}: an MoE run traced without --balanced-routing: its expert buffers follow the "
                            f"router's data-dependent choices, which no formula of the shapes fits; profile it again "

@@ -18,7 +18,7 @@ from .solve import Fit, FitRefused, bound_fit, fit_group, leave_one_out
 
 # Switches most likely to change what an op saves come first, so ties between equally small S prefer them.
 SWITCH_ORDER = ("attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization", "gqa", "dropout",
-                "sp", "dtype", "tp")
+                "sp", "dtype", "softmax_fp32", "tp")
 MOE_VARS = ("E", "k", "fs", "ep")
 NOT_ALIGNED = "points do not align"
 LOO_EXACT_LIMIT = 1e-6      # an exact formula must predict held-out configs exactly (up to float printing)

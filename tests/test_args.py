@@ -69,6 +69,35 @@ def test_defaults_are_megatrons():
     assert cfg.make_vocab_size_divisible_by == 128 and cfg.moe_router_topk == 2
 
 
+def test_numerics_and_fusion_flags_are_megatron_lms():
+    # Megatron-LM (megatron/training/arguments.py, core 0.16.1): --attention-softmax-in-fp32 and
+    # --no-persist-layer-norm are store_true, the --no-*-fusion flags store_false; validate_args turns the gelu
+    # fusion off without biases, the rope fusion off without rope, and --apply-query-key-layer-scaling sets
+    # attention_softmax_in_fp32. None of them is ignored any more.
+    cfg = parse("")
+    assert not cfg.attention_softmax_in_fp32 and not cfg.apply_query_key_layer_scaling and not cfg.no_persist_layer_norm
+    assert cfg.bias_gelu_fusion and cfg.bias_swiglu_fusion and cfg.masked_softmax_fusion and cfg.bias_dropout_fusion
+    assert cfg.gradient_accumulation_fusion and not cfg.apply_rope_fusion       # learned positions: no rope fusion
+    assert (cfg.cross_entropy_loss_fusion, cfg.cross_entropy_fusion_impl, cfg.calculate_per_token_loss) == \
+        (False, "native", False)
+    assert parse("--position-embedding-type rope").apply_rope_fusion
+    assert not parse("--disable-bias-linear").bias_gelu_fusion
+    assert parse("--disable-bias-linear --swiglu").bias_swiglu_fusion
+    assert parse("--apply-query-key-layer-scaling").attention_softmax_in_fp32
+    flags = ("--attention-softmax-in-fp32 --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
+             "--no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-gradient-accumulation-fusion "
+             "--cross-entropy-loss-fusion --cross-entropy-fusion-impl te --rotary-interleaved --calculate-per-token-loss "
+             "--apply-residual-connection-post-layernorm --bf16 --fp32-residual-connection")
+    cfg = parse(flags)
+    assert cfg.ignored_args == []
+    assert cfg.attention_softmax_in_fp32 and cfg.no_persist_layer_norm and cfg.cross_entropy_fusion_impl == "te"
+    assert not (cfg.masked_softmax_fusion or cfg.bias_gelu_fusion or cfg.bias_swiglu_fusion or cfg.bias_dropout_fusion
+                or cfg.apply_rope_fusion or cfg.gradient_accumulation_fusion)
+    assert cfg.rotary_interleaved and cfg.calculate_per_token_loss and cfg.apply_residual_connection_post_layernorm
+    assert any("--fp32-residual-connection is not modelled" in w for w in cfg.warnings)
+    assert TrainingConfig.from_dict(cfg.to_dict()) == cfg
+
+
 def test_swiglu_ffn_rule():
     for hidden in (64, 4096, 5120, 8192):
         cfg = parse(f"--swiglu --hidden-size {hidden}")
@@ -197,6 +226,8 @@ def test_validation_messages_match_megatron_core(flags, core_kwargs):
     ("--recompute-granularity full", "recompute_method must be"),
     ("--recompute-granularity selective --recompute-method uniform", "recompute method is not yet supported"),
     ("--bf16 --fp16", "Only one of"),
+    ("--fp32-residual-connection", "residual connection in fp32 only supported when using fp16 or bf16."),
+    ("--cross-entropy-fusion-impl fast", "invalid choice"),
     ("--overlap-param-gather", "--overlap-param-gather only supported with distributed optimizer"),
     ("--seq-length 128", "must be greater than or equal to seq_length"),
     ("--num-layers x", "invalid int value"),

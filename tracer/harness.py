@@ -17,7 +17,8 @@ import torch
 from tracer import scopes
 
 # Flags the harness needs that TrainingConfig does not carry (it lists them in `ignored_args`).
-# dest -> (flag, type, default); defaults are Megatron-LM's, except lr (Megatron has none).
+# dest -> (flag, type, default); defaults are Megatron-LM's, except lr (Megatron has none). The flags that shape
+# TransformerConfig (fusions, softmax precision, ...) are TrainingConfig fields, parsed by estimator.args.
 _EXTRA_FLAGS = {
     "lr": ("--lr", float, 1e-3),
     "min_lr": ("--min-lr", float, 0.0),
@@ -34,14 +35,7 @@ _EXTRA_FLAGS = {
     "min_loss_scale": ("--min-loss-scale", float, 1.0),
     "loss_scale_window": ("--loss-scale-window", float, 1000),
     "hysteresis": ("--hysteresis", int, 2),
-    "use_cpu_initialization": ("--use-cpu-initialization", bool, False),
-    # Kernel fusions change what is saved for backward; Megatron-LM enables them unless told otherwise (GPU only).
-    "no_bias_gelu_fusion": ("--no-bias-gelu-fusion", bool, False),
-    "no_bias_swiglu_fusion": ("--no-bias-swiglu-fusion", bool, False),
-    "no_masked_softmax_fusion": ("--no-masked-softmax-fusion", bool, False),
-    "no_bias_dropout_fusion": ("--no-bias-dropout-fusion", bool, False),
-    "no_rope_fusion": ("--no-rope-fusion", bool, False),
-    "no_gradient_accumulation_fusion": ("--no-gradient-accumulation-fusion", bool, False),
+    "use_cpu_initialization": ("--use-cpu-initialization", bool, None),   # Megatron-LM: store_true, default None
 }
 
 
@@ -125,46 +119,76 @@ def coords() -> dict:
             "pp": ps.get_pipeline_model_parallel_rank()}
 
 
-def transformer_config(cfg, extra: dict):
-    """TransformerConfig from the TrainingConfig, the way Megatron-LM's core_transformer_config_from_args does."""
+def megatron_lm_kwargs(cfg, extra: dict) -> dict:
+    """TransformerConfig arguments as Megatron-LM's core_transformer_config_from_args makes them from the same command
+    line (megatron/training/arguments.py of megatron-core 0.16.1): every TransformerConfig field that is also an
+    argparse dest is copied (TrainingConfig holds Megatron-LM's dests and their values after validate_args), then a
+    few are set explicitly. Device-independent: transformer_config() turns off what this machine cannot run."""
     import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in known and v is not None}
+    kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in known}
     kw.update(
-        num_query_groups=cfg.num_query_groups if cfg.group_query_attention else None,
-        num_moe_experts=cfg.num_experts,
+        # dests TrainingConfig names differently, or keeps as text / harness-only flags
+        layernorm_epsilon=cfg.norm_epsilon,                 # --norm-epsilon (dest layernorm_epsilon there)
+        attention_backend=AttnBackend[cfg.attention_backend],
         params_dtype=_dtype(cfg),
+        init_method_std=extra["init_method_std"],
+        use_cpu_initialization=extra["use_cpu_initialization"],
+        inference_sampling_seed=extra["seed"],
+        cp_comm_type="p2p",                                 # --cp-comm-type's default ['p2p'], unpacked
+        # set explicitly by core_transformer_config_from_args
+        persist_layer_norm=not cfg.no_persist_layer_norm,
+        deallocate_pipeline_outputs=True,
         pipeline_dtype=_dtype(cfg),
+        batch_p2p_comm=not cfg.overlap_p2p_comm,
+        num_moe_experts=cfg.num_experts,
+        num_layers_in_first_pipeline_stage=cfg.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=cfg.decoder_last_pipeline_num_layers,
         gated_linear_unit=cfg.swiglu,
         activation_func=F.silu if cfg.swiglu else F.gelu,
-        init_method_std=extra["init_method_std"],
-        deallocate_pipeline_outputs=True,
-        batch_p2p_comm=not cfg.overlap_p2p_comm,
-        overlap_p2p_comm=bool(cfg.overlap_p2p_comm and cfg.virtual_pipeline_model_parallel_size),
-        use_cpu_initialization=extra["use_cpu_initialization"] or on_cpu(),
-        persist_layer_norm=False,
+        bias_activation_fusion=cfg.bias_swiglu_fusion if cfg.swiglu else cfg.bias_gelu_fusion,
+        num_query_groups=cfg.num_query_groups if cfg.group_query_attention else None,
     )
-    if on_cpu():
-        # No fused CUDA kernels on CPU; the unfused paths are what the local spec runs anyway.
-        kw.update(bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-                  apply_rope_fusion=False, gradient_accumulation_fusion=False, moe_permute_fusion=False)
-        # gloo sends read their buffer asynchronously, while the interleaved schedule's overlapped p2p frees
-        # (deallocate_pipeline_outputs) the sent output right away: the peer then receives garbage (NaN loss).
-        kw.update(overlap_p2p_comm=False, batch_p2p_comm=True)
-    else:
-        kw.update(bias_activation_fusion=not extra["no_bias_swiglu_fusion" if cfg.swiglu else "no_bias_gelu_fusion"],
-                  masked_softmax_fusion=not extra["no_masked_softmax_fusion"],
-                  bias_dropout_fusion=not extra["no_bias_dropout_fusion"],
-                  apply_rope_fusion=not extra["no_rope_fusion"],
-                  # needs TE's (or apex's) fused wgrad kernel; Megatron-LM turns it off without them too
-                  gradient_accumulation_fusion=_use_te(cfg) and not extra["no_gradient_accumulation_fusion"])
-    if not cfg.is_moe:
-        for k in [k for k in kw if k.startswith("moe_")]:
-            kw.pop(k)
-        kw.pop("num_moe_experts")
-    return TransformerConfig(**{k: v for k, v in kw.items() if k in known or k == "num_moe_experts"})
+    return kw
+
+
+# What transformer_config() sets differently from Megatron-LM, and only here. The one deliberate difference:
+# fused kernels that cannot run on this machine are off (Megatron-LM would stop with an error; a GPU run has to
+# pass the matching --no-* flag there). On CPU that is every fused CUDA kernel, so a CPU trace measures the unfused
+# paths; the CPU run also creates weights on CPU and, over gloo, sends pipeline tensors without overlap.
+CPU_OVERRIDES = dict(bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                     apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+                     moe_permute_fusion=False, use_cpu_initialization=True,
+                     # gloo sends read their buffer asynchronously, while the interleaved schedule's overlapped p2p
+                     # frees (deallocate_pipeline_outputs) the sent output right away: the peer then receives
+                     # garbage (NaN loss).
+                     overlap_p2p_comm=False, batch_p2p_comm=True)
+
+
+def _gpu_overrides(cfg) -> dict:
+    """On a GPU: kernels whose extension megatron-core checks for when it builds the model."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.tensor_parallel import layers
+
+    out = {}
+    if not layers._grad_accum_fusion_available:     # apex's fused_weight_gradient_mlp_cuda
+        out["gradient_accumulation_fusion"] = False
+    if not (_use_te(cfg) or gpt_layer_specs.HAVE_APEX):  # the local spec's torch norm refuses persist_layer_norm
+        out["persist_layer_norm"] = False
+    return out
+
+
+def transformer_config(cfg, extra: dict):
+    """The TransformerConfig Megatron-LM builds for the same flags (megatron_lm_kwargs), less the kernels this
+    machine cannot run (CPU_OVERRIDES / _gpu_overrides)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = megatron_lm_kwargs(cfg, extra)
+    kw.update(CPU_OVERRIDES if on_cpu() else _gpu_overrides(cfg))
+    return TransformerConfig(**kw)
 
 
 def _layer_spec(cfg, tconfig, vp_stage):
@@ -289,12 +313,13 @@ def _holds_data(model) -> bool:
 
 
 def loss_func(loss_mask, output_tensor):
-    # Megatron's pretrain_gpt loss, averaged over tokens of the microbatch.
-    losses = output_tensor.float().view(-1)
+    """Megatron-LM's pretrain_gpt loss: the masked loss sum, the microbatch's token count and the report [sum, tokens];
+    the schedule divides the sum by the tokens and the microbatches unless --calculate-per-token-loss."""
+    losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
-    # clone: the schedule divides the returned loss in place by the number of microbatches.
-    return loss, {"lm loss": loss.detach().clone()}
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
 def forward_step(data_iterator, model):
@@ -305,13 +330,13 @@ def forward_step(data_iterator, model):
 
 
 def _mean_loss(losses_reduced: list):
-    """Mean lm loss over microbatches and data-parallel ranks (as Megatron-LM reports it); last stage only."""
+    """Mean lm loss per token over microbatches and data-parallel ranks (as Megatron-LM reports it); last stage only."""
     from megatron.core import parallel_state as ps
     if not losses_reduced:
         return None
-    loss = torch.stack([d["lm loss"] for d in losses_reduced]).mean()
-    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-    return float(loss) / ps.get_data_parallel_world_size()
+    total = torch.stack([d["lm loss"] for d in losses_reduced]).sum(dim=0)   # [loss sum, tokens]
+    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(total[0] / total[1])
 
 
 def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> HarnessResult:

@@ -88,17 +88,24 @@ def build():
                 note="selective recompute: only the output survives the forward")
         else:
             gqa_kv = [mul(2, A)]  # repeat_interleave'd K and V (a heads) when g < a
-            variants = {  # (dtype is fp32?, dropout) -> (saved S2 bytes, fwd S2 bytes, bwd S2 bytes)
-                # fp32: softmax output (e=4) saved by bmm; with dropout add its output (e) and mask (1 byte on GPU)
-                (True, False): (4, 8, 12), (True, True): (9, 9, 12),
-                # 16-bit: attention_softmax_in_fp32 (megatron-core default): fp32 softmax (4) + 16-bit probs (2)
-                (False, False): (6, 10, 12), (False, True): (7, 10, 12),
+            # The forward keeps the raw scores (e) to its end; the peak is the S2 bytes live at once, plus 2A
+            # for the context (bmm output and its contiguous copy) as an upper bound where the two do not meet.
+            variants = {  # (dtype, softmax in fp32?, dropout) -> (saved S2 bytes, fwd S2 bytes, bwd S2 bytes)
+                # fp32: softmax output (e=4) saved by bmm; with dropout add its output (e) and mask (1 byte on GPU);
+                # forward: scores + softmax output (+ mask + dropout output)
+                ("fp32", True, False): (4, 8, 12), ("fp32", True, True): (9, 13, 12),
+                # 16-bit with --attention-softmax-in-fp32 (or --apply-query-key-layer-scaling): fp32 softmax (4)
+                # + 16-bit probs (2); forward peak at the cast back: scores (2) + their fp32 copy (4) + fp32 (4)
+                # and 16-bit (2) probs = 12 (CPU traces, megatron-core 0.16.1, bf16: 12 exactly)
+                (None, True, False): (6, 12, 12), (None, True, True): (7, 12, 12),
+                # 16-bit, Megatron-LM's default: the softmax runs in the model's dtype, like fp32 with e = 2
+                (None, False, False): (2, 4, 6), (None, False, True): (5, 7, 6),
             }
-            for (is32, drop), (sv, fw, bw) in variants.items():
+            for (dtype, fp32_softmax, drop), (sv, fw, bw) in variants.items():
                 for gqa in (False, True):
-                    w = {**W, "dropout": drop, "gqa": gqa}
-                    if is32:
-                        w["dtype"] = "fp32"
+                    w = {**W, "dropout": drop, "gqa": gqa, "softmax_fp32": fp32_softmax}
+                    if dtype:
+                        w["dtype"] = dtype
                     extra = gqa_kv if gqa else []
                     saved = [f"{sv} {S2}", A] + extra
                     fwd = [f"{fw} {S2}", mul(2, A)] + extra
@@ -189,8 +196,9 @@ def main():
         "description": (
             "Modelled (not fitted) per-op activation formulas for megatron-core GPT layers. Derived from the per-op "
             "breakdown of Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
-            "(arXiv:2205.05198), adapted to megatron-core 0.16: local spec (unfused attention, fp32 softmax by "
-            "default, a*s^2*b terms; reproduces the CPU-measured e*(16sbh + as^2b) per layer in fp32 without dropout) "
+            "(arXiv:2205.05198), adapted to megatron-core 0.16: local spec (unfused attention, a*s^2*b terms, "
+            "the softmax in fp32 for fp32 models and with --attention-softmax-in-fp32, else in the model's dtype "
+            "as Megatron-LM runs it by default; reproduces the CPU-measured e*(16sbh + as^2b) per layer in fp32 without dropout) "
             "and TE spec with flash attention (no s^2 terms, fused LayerNorm-linear), SP, selective recompute, "
             "gelu/swiglu, GQA, RoPE copies, CP KV chunks, MoE router/dispatch/expert buffers, embedding, final norm, "
             "fp32 logits and vocab-parallel cross-entropy. GPU dropout masks are 1 byte/element."),
