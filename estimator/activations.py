@@ -165,6 +165,31 @@ def recomputed_groups(cfg, n_layers: int) -> List[Tuple[int, int, bool]]:
     return [(i, min(i + n, n_layers), True) for i in range(0, n_layers, n)]
 
 
+def cache_for(fset, cfg):
+    """The per-(set, config) evaluator: a LayerCache, or for a composed set (FORMATS 4.1) a ComposedCache."""
+    if fset.composed:
+        from .compose import ComposedCache
+        cache = ComposedCache(fset, cfg)
+        h = cache.hidden
+        cache.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])
+        return cache
+    return LayerCache(fset, cfg)
+
+
+def _composed_chunk(cache, moe_flags, first: bool, last: bool, recv_input: bool):
+    from .compose import chunk_body
+    saved, fwd, bwd, rows = chunk_body(cache, moe_flags, first, last)
+    units = [cache.recv_unit] if recv_input else []
+    if last:
+        units.append((saved, saved, fwd, bwd, rows))
+    else:
+        # The stage output is sent and pseudo-freed; the backward starts with the received gradient in its place
+        # (and frees it no earlier than the layer that frees its own in a one-stage run): the level stays.
+        h = cache.hidden
+        units.append((saved - h, saved - h, fwd, bwd + h, rows))
+    return fold_chunk(units), per_op_bytes(units)
+
+
 def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
                       recv_input: bool) -> Tuple["ChunkActivations", Dict[str, Dict[str, float]]]:
     """(ChunkActivations, per-op bytes) of one chunk. moe_flags: per layer of the chunk. first/last: holds
@@ -172,6 +197,8 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     A chunk is folded from units (kept, full, fwd, bwd, rows): one layer, a full-recompute checkpoint group, or a
     non-layer op (module docstring; `full` = bytes live during its backward, `bwd` = transient above the level
     before its backward - kept + full). Equal units are one shared tuple, built once per (set, config)."""
+    if not isinstance(cache, LayerCache):
+        return _composed_chunk(cache, moe_flags, first, last, recv_input)
     hidden = cache.hidden
     units = []
     if recv_input:

@@ -14,6 +14,7 @@ from estimator._record import dataclass, field
 
 FORMAT = "megatron-memtrace-formulas"
 VERSION = 1
+COMPOSED_VERSION = 2   # a composed set: per-segment formulas and the op structure (FORMATS 4.1)
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "formula_sets")
 # Fitted sets are the fit stage's output; the estimator reads them as data (it imports nothing from fit/).
 FITTED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "sets")
@@ -43,6 +44,8 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "gqa": (True, False),
     "tp": (True, False),
     "softmax_fp32": (True, False),
+    "bias": (True, False),
+    "tied": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -138,6 +141,8 @@ class FormulaSet:
     # so a gap in a fitted set never reads as 0 bytes. `fallbacks` records what was taken from it.
     fallback: Optional["FormulaSet"] = None
     fallbacks: set = field(default_factory=set, repr=False)
+    segments: List["SegmentFormula"] = field(default_factory=list)    # composed sets (FORMATS 4.1)
+    structure: List[Tuple[str, Tuple[Tuple[str, Any], ...], Tuple[str, ...]]] = field(default_factory=list)
     _by_op: Dict[str, List[Formula]] = field(default_factory=dict, repr=False)
     _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -149,12 +154,35 @@ class FormulaSet:
             lst.sort(key=lambda fo: -len(fo.when))
 
     @property
+    def composed(self) -> bool:
+        return bool(self.segments)
+
+    @property
     def ops(self) -> List[str]:
         return list(self._by_op)
 
     @property
     def label(self) -> str:
         return f"{self.name} ({self.kind})"
+
+
+SEGMENT_QUANTITIES = ("fwd_delta", "fwd_peak", "bwd_delta", "bwd_peak")
+
+
+@dataclass(frozen=True)
+class SegmentFormula:
+    """One segment label's four quantities (None: undetermined) under `when`, and the switch values its runs had."""
+    label: str
+    when: Tuple[Tuple[str, Any], ...]
+    quantities: Tuple[Optional[Tuple[Term, ...]], ...]    # in SEGMENT_QUANTITIES order
+    seen: Tuple[Tuple[str, Tuple[Any, ...]], ...]
+
+    def matches(self, sw: Mapping[str, Any]) -> bool:
+        return all(sw.get(k) == v for k, v in self.when)
+
+    def covers(self, sw: Mapping[str, Any]) -> bool:
+        """Every switch value of the config was among the part's runs' (so the formula was measured there)."""
+        return all(sw.get(k) in vals for k, vals in self.seen if k in sw)
 
 
 # ---------------------------------------------------------------- parsing / validation
@@ -250,15 +278,17 @@ def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
         raise FormulaError(f"{src}: top level must be a JSON object")
     if doc.get("format") != FORMAT:
         raise FormulaError(f"{src}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
-    if doc.get("version") != VERSION:
-        raise FormulaError(f"{src}: unsupported version {doc.get('version')!r} (this estimator reads {VERSION})")
+    if doc.get("version") not in (VERSION, COMPOSED_VERSION):
+        raise FormulaError(f"{src}: unsupported version {doc.get('version')!r} (this estimator reads {VERSION} "
+                           f"and {COMPOSED_VERSION})")
+    composed = doc["version"] == COMPOSED_VERSION
     kind = doc.get("kind")
     if kind not in ("modelled", "fitted"):
         raise FormulaError(f"{src}: 'kind' must be 'modelled' or 'fitted', got {kind!r}")
     if not isinstance(doc.get("name"), str) or not doc["name"]:
         raise FormulaError(f"{src}: 'name' must be a non-empty string")
     raw = doc.get("formulas")
-    if not isinstance(raw, list) or not raw:
+    if not isinstance(raw, list) or not (raw or composed):
         raise FormulaError(f"{src}: 'formulas' must be a non-empty list")
     formulas, seen = [], set()
     for i, fo in enumerate(raw):
@@ -283,7 +313,50 @@ def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
     prov = doc.get("provenance", {})
     if not isinstance(prov, dict):
         raise FormulaError(f"{src}: 'provenance' must be an object")
-    return FormulaSet(doc["name"], kind, str(doc.get("description", "")), prov, formulas, path)
+    fset = FormulaSet(doc["name"], kind, str(doc.get("description", "")), prov, formulas, path)
+    if composed:
+        fset.segments, fset.structure = _segments(doc, src), _structure(doc, src)
+    return fset
+
+
+def _segments(doc: dict, src: str) -> List[SegmentFormula]:
+    raw = doc.get("segments")
+    if not isinstance(raw, list) or not raw:
+        raise FormulaError(f"{src}: a composed set (version {COMPOSED_VERSION}) needs a non-empty 'segments' list")
+    out, seen = [], set()
+    for i, e in enumerate(raw):
+        w = f"{src}: segments[{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("label"), str) or not e["label"]:
+            raise FormulaError(f"{w}: needs a 'label'")
+        extra = set(e) - {"label", "per", "when", "seen", "runs", "note", *SEGMENT_QUANTITIES}
+        if extra:
+            raise FormulaError(f"{w}: unknown keys {sorted(extra)}")
+        w = f"{w} ({e['label']!r})"
+        when = _when(e.get("when"), w)
+        if (e["label"], when) in seen:
+            raise FormulaError(f"{w}: duplicate segment formula for the same label and 'when'")
+        seen.add((e["label"], when))
+        raw_seen = e.get("seen") or {}
+        if not isinstance(raw_seen, dict) or any(k not in SWITCHES or not isinstance(v, list)
+                                                 for k, v in raw_seen.items()):
+            raise FormulaError(f"{w}: 'seen' maps switches to lists of values")
+        out.append(SegmentFormula(e["label"], when, tuple(_terms(e.get(q), f"{w}.{q}") for q in SEGMENT_QUANTITIES),
+                                  tuple(sorted((k, tuple(v)) for k, v in raw_seen.items()))))
+    return out
+
+
+def _structure(doc: dict, src: str) -> list:
+    raw = doc.get("structure")
+    if not isinstance(raw, list) or not raw:
+        raise FormulaError(f"{src}: a composed set needs a non-empty 'structure' list")
+    out = []
+    for i, e in enumerate(raw):
+        w = f"{src}: structure[{i}]"
+        if (not isinstance(e, dict) or not isinstance(e.get("op"), str) or not isinstance(e.get("children"), list)
+                or not all(isinstance(c, str) for c in e["children"])):
+            raise FormulaError(f"{w}: needs 'op' and a list of 'children' op names")
+        out.append((e["op"], _when(e.get("when"), w), tuple(e["children"])))
+    return out
 
 
 def shipped_sets() -> list:
@@ -305,6 +378,23 @@ def resolve(name_or_path: str) -> str:
             return cand
     raise FormulaError(f"formula set {name_or_path!r}: no such file and not a shipped set "
                        f"(shipped: {', '.join(shipped_sets()) or 'none'})")
+
+
+# The shipped composed set measured on CPU traces (local spec); the default wherever it covers the config.
+MEASURED_SET = "cpu_compose"
+
+
+def default_for(cfg: Any) -> FormulaSet:
+    """The set an estimate uses when none is named: the shipped measured (composed) set where every switch value
+    and feature of the config was traced, else the modelled set."""
+    try:
+        measured = load(MEASURED_SET)
+    except FormulaError:
+        return load(DEFAULT_SET)
+    from .compose import untraced_features
+    if measured.composed and not untraced_features(cfg, switches(cfg), measured):
+        return measured
+    return load(DEFAULT_SET)
 
 
 _LOADED: Dict[Tuple[str, float], FormulaSet] = {}
@@ -459,6 +549,10 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         # --attention-softmax-in-fp32 (or --apply-query-key-layer-scaling, which implies it) is given.
         "softmax_fp32": dtype == "fp32" or bool(_get(cfg, "attention_softmax_in_fp32", False)
                                                 or _get(cfg, "apply_query_key_layer_scaling", False)),
+        # Linear biases (bias-dropout-add and bias-activation code keep other tensors) and tied embeddings (the
+        # output layer's weight gradient is the embedding's, freed in its backward): composed sets split on them.
+        "bias": bool(_get(cfg, "add_bias_linear", True)),
+        "tied": not _get(cfg, "untie_embeddings_and_output_weights", False),
     }
 
 

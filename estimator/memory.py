@@ -31,6 +31,7 @@ class Estimate:
     max_peak_pp_rank: int
     schedule: str
     fallbacks: set = field(default_factory=set)  # (op, quantity) this estimate took from the fallback set
+    coverage: Optional[dict] = None  # composed sets: share of saved bytes from measured formulas, extrapolated labels
 
 
 def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
@@ -128,7 +129,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     M_ = cfg.num_microbatches
     group = getattr(cfg, "microbatch_group_size_per_vp_stage", None) or pp
-    cache = A.LayerCache(fset, cfg)
+    cache = A.cache_for(fset, cfg)
     if chunks_by_stage is None:
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
@@ -177,7 +178,8 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
         ranks.append(RankEstimate(r, st.params, st.expert_params, cats, tl.peak, tl.peak_phase, tl.in_flight_max,
                                   per_op, st, tl if timeline else None))
     top = max(ranks, key=lambda x: x.peak_bytes)
-    return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks())
+    return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks(),
+                    cache.coverage() if fset.composed else None)
 
 
 def _stage_per_op(chunk_ops: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:

@@ -240,6 +240,19 @@ def _fallback_lines(fallbacks) -> list[str]:
     return lines
 
 
+def _coverage_lines(cov) -> list[str]:
+    if not cov:
+        return []
+    out = [f"  composed from per-op segment formulas: {100 * cov['measured_share']:.1f}% of the saved activation "
+           f"bytes from formulas measured for this config's switches"]
+    if cov["extrapolated"]:
+        out.append(f"  extrapolated (no formula measured for these switches; the largest of the label's formulas "
+                   f"is used, so the estimate errs high): {', '.join(cov['extrapolated'])}")
+    if cov["untraced"]:
+        out.append(f"  not in any traced run, composed without them: {', '.join(cov['untraced'])}")
+    return out
+
+
 def to_text(report) -> str:
     cfg, est = report.cfg, report.estimate
     modelled = report.formula_set.kind == "modelled"
@@ -248,6 +261,7 @@ def to_text(report) -> str:
            + (" -- activations are MODELLED from published analysis, not measured" if modelled else
               " -- fitted from measured traces"),
            *_fallback_lines(report.estimate.fallbacks),
+           *_coverage_lines(report.estimate.coverage),
            ""]
     out += _describe(cfg)
     out += ["", f"Model tree, pipeline stage {est.max_peak_pp_rank} (one TP/EP rank; activation bytes per "
@@ -305,7 +319,8 @@ def to_json(report) -> dict:
         "format": JSON_FORMAT, "version": JSON_VERSION,
         "formula_set": {"name": report.formula_set.name, "kind": report.formula_set.kind,
                         "path": report.formula_set.path,
-                        "fallbacks": [{"op": op, "quantity": q} for op, q in sorted(report.estimate.fallbacks)]},
+                        "fallbacks": [{"op": op, "quantity": q} for op, q in sorted(report.estimate.fallbacks)],
+                        **({"coverage": report.estimate.coverage} if report.estimate.coverage else {})},
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
         "schedule": est.schedule,

@@ -277,7 +277,7 @@ def test_backward_segments_mirror_forward(runs, name):
             fwd = [(s.label, s.layer) for s in reversed(by[("fwd", it, mb, chunk)])]
             pos = 0
             for s in bwd:
-                if s.label == "step" or (s.delta == 0 and s.peak == 0):
+                if s.delta == 0 and s.peak == 0:
                     continue
                 assert (s.label, s.layer) in fwd[pos:], (name, mb, s.label, s.layer, fwd[pos:pos + 5])
                 pos = fwd.index((s.label, s.layer), pos)

@@ -97,7 +97,8 @@ def rank_segments(pr: ParsedRank) -> list[Segment]:
             mb, chunk = _chunk_of(name)
             o, c = int(sc.open[row]), int(sc.close[row])
             lo, hi = np.searchsorted(mark_at, [o, c])
-            cuts = [(o, ROOT, None)] + _backward_cuts(marks[lo:hi], tree, live)
+            # The backward starts in the step's own code after its last op (the loss function's backward).
+            cuts = [(o, *_after_entering((ROOT, None), tree))] + _backward_cuts(marks[lo:hi], tree, live)
             cuts.append((c, "", None))
             out += _segments("bwd", it, mb, chunk, cuts, live)
     return out
@@ -211,4 +212,31 @@ def _segments(phase: str, it: int, mb: int, chunk, cuts: list, live: np.ndarray)
         base = int(live[a])
         out.append(Segment(phase, it, mb, chunk, label, layer, a, b, int(live[b]) - base,
                            int(live[a:b + 1].max()) - base))
+    return out
+
+
+def op_children(pr: ParsedRank) -> dict[str, list[str]]:
+    """op -> its op children in forward order (a run of one op, the decoder's layers, counted once), read from
+    the first forward of the last iteration: the structure a composed estimate replays (FORMATS 4.1)."""
+    sc = pr.scopes
+    fwd = [int(r) for r in np.flatnonzero(sc.kind == K_FWD)]
+    if not fwd:
+        return {}
+    it_row = inherit(sc, sc.kind == K_ITER)
+    last = max(_iteration(pr, int(it_row[r])) for r in fwd)
+    row = next(r for r in fwd if _iteration(pr, int(it_row[r])) == last)
+    is_op = np.isin(sc.kind, _OP_KINDS)
+    op_parent = _op_parents(sc, is_op)
+    children: dict[int, list[int]] = {}
+    for r in np.flatnonzero(is_op):
+        children.setdefault(int(op_parent[r]), []).append(int(r))
+    tree: dict = {}
+    _walk(pr, row, (ROOT, None), children, [], tree)
+    out: dict[str, list[str]] = {}
+    for (op, _), (_, kids) in tree.items():
+        names = []
+        for kop, _ in kids:
+            if not names or names[-1] != kop:
+                names.append(kop)
+        out.setdefault(op, names)
     return out

@@ -1,0 +1,236 @@
+"""Activations of a chunk composed from per-segment formulas (a composed formula set, FORMATS 4.1).
+
+A chunk's forward is a flat sequence of segments, the measured op structure walked in order: an op with children
+C1..Cn runs its own code `<op>`, then C1's segments, its own code `<op>@C1`, ... (the root `step` holds the input
+batch, the embedding, the decoder, the output layer and the loss as its stage holds them; the decoder repeats
+`layers.*` once per layer of the chunk). Its backward is the same sequence reversed, each segment with its backward
+quantities. Replaying the deltas and peaks gives the chunk's saved bytes and its forward and backward transients, the
+way the traced runs reached theirs; each segment's formula depends only on the switches that change it, so a config
+whose combination of switches was never traced is composed from segments measured in other combinations.
+
+Where a label has no formula measured for the config's switch values it is *extrapolated*: every quantity takes the
+largest value any of the label's formulas gives for the config (so the estimate errs high), and the report says
+which labels and what share of the saved bytes that is (`coverage`).
+"""
+from __future__ import annotations
+
+from . import formulas as F
+
+ROOT = "step"
+FIRST_ONLY = ("data.tokens", "embedding")
+LAST_ONLY = ("data.labels", "output_layer", "loss", "final_layernorm")
+LAYER = "layers.*"
+
+
+def own_label(op: str, child: str) -> str:
+    """Label of op's own code right after child `child` (FORMATS 3.1): `layers.*.mlp@linear_fc1`."""
+    return f"{op}@{child[len(op) + 1:] if child.startswith(op + '.') else child}"
+
+
+class ComposedCache:
+    """Per-(set, config) evaluation of a composed set: segment values per (label, switches), memoised."""
+
+    def __init__(self, fset: F.FormulaSet, cfg):
+        self.fset, self.cfg = fset, cfg
+        self.env = F.variables(cfg)
+        self.sw = F.switches(cfg, self.env)
+        e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
+        self.hidden = e * s * b * h / st
+        self._values: dict = {}
+        self._by_label: dict = {}
+        for sf in fset.segments:
+            self._by_label.setdefault(sf.label, []).append(sf)
+        for lst in self._by_label.values():
+            lst.sort(key=lambda sf: -len(sf.when))
+        self.saved_measured = 0.0
+        self.saved_extrapolated = 0.0
+        self.extrapolated: set = set()
+        self.untraced = untraced_features(cfg, self.sw, fset)
+
+    def fallbacks(self) -> set:
+        return set()   # a composed set never takes a number from the modelled set
+
+    def coverage(self) -> dict:
+        total = self.saved_measured + self.saved_extrapolated
+        share = 1.0 if total <= 0 else self.saved_measured / total
+        if self.untraced:
+            share = 0.0
+        return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced}
+
+    # ---- values
+    def values(self, label: str, sw: dict) -> tuple:
+        """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label under switches sw."""
+        key = (label, sw["moe"], sw["recompute"])
+        hit = self._values.get(key)
+        if hit is None:
+            hit = self._values[key] = self._evaluate(label, sw)
+        return hit
+
+    def _evaluate(self, label: str, sw: dict) -> tuple:
+        cands = self._by_label.get(label, [])
+        match = next((sf for sf in cands if sf.matches(sw)), None)
+        if match is not None and match.covers(sw) and all(q is not None for q in match.quantities):
+            return (*(_sum(q, self.env) for q in match.quantities), True)
+        vals = [max((_sum(sf.quantities[i], self.env) for sf in cands if sf.quantities[i] is not None),
+                    default=0.0) for i in range(4)]
+        return (*vals, False)
+
+    def children(self, op: str, sw: dict) -> tuple:
+        for name, when, kids in _structure(self.fset, op):
+            if all(sw.get(k) == v for k, v in when):
+                return kids
+        return ()
+
+    # ---- sequence
+    def sequence(self, moe_flags, first: bool, last: bool) -> list:
+        """The chunk's forward as items: (label, values, op, instance) for a segment, or ("ckpt", [items]) for a
+        full-recompute checkpoint group."""
+        from .activations import recomputed_groups
+        out: list = []
+        root_kids = [c for c in self.children(ROOT, self.sw)
+                     if (first or c not in FIRST_ONLY) and (last or c not in LAST_ONLY)]
+        self._own(ROOT, None, self.sw, out)
+        for c in root_kids:
+            if c == "decoder":
+                self._decoder(moe_flags, last, recomputed_groups(self.cfg, len(moe_flags)), out)
+            else:
+                self._expand(c, None, self.sw, out)
+            self._own(own_label(ROOT, c), None, self.sw, out, op=ROOT)
+        return out
+
+    def _decoder(self, moe_flags, last: bool, groups, out: list) -> None:
+        self._own("decoder", None, self.sw, out)
+        rec = self.sw["recompute"] if self.sw["recompute"] == "selective" else "none"
+        for lo, hi, ckpt in groups:
+            items: list = []
+            for i in range(lo, hi):
+                sw = dict(self.sw, moe=bool(moe_flags[i]), recompute=rec)
+                self._expand(LAYER, i, sw, items)
+                self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder")
+            out.append(("ckpt", items) if ckpt else ("run", items))
+        if last:
+            for c in self.children("decoder", self.sw):
+                if c != LAYER:
+                    self._expand(c, None, self.sw, out)
+                    self._own(own_label("decoder", c), None, self.sw, out, op="decoder")
+
+    def _expand(self, op: str, layer, sw: dict, out: list) -> None:
+        self._own(op, layer, sw, out)
+        for c in self.children(op, sw):
+            self._expand(c, layer, sw, out)
+            self._own(own_label(op, c), layer, sw, out, op=op)
+
+    def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None) -> None:
+        if label not in self._by_label:
+            return      # never seen allocating in any traced run: a segment without bytes
+        out.append((label, self.values(label, sw), op or label, layer))
+
+
+def _sum(terms, env) -> float:
+    return float(sum(t.value(env) for t in terms))
+
+
+def _structure(fset, op: str) -> list:
+    key = ("structure", op)
+    hit = fset._cache.get(key)
+    if hit is None:
+        hit = fset._cache[key] = sorted((e for e in fset.structure if e[0] == op), key=lambda e: -len(e[1]))
+    return hit
+
+
+def untraced_features(cfg, sw: dict, fset) -> list:
+    """Config features a composed set cannot express (no traced run had them), named for the report."""
+    out = []
+    seen_values: dict = {}
+    for sf in fset.segments:
+        for k, vals in sf.seen:
+            seen_values.setdefault(k, set()).update(vals)
+    for k, v in sw.items():
+        if k in seen_values and v not in seen_values[k]:
+            out.append(f"{k}={v}")
+    g = (lambda n, d=None: cfg.get(n, d) if isinstance(cfg, dict) else getattr(cfg, n, d))
+    if g("qk_layernorm", False):
+        out.append("qk_layernorm")
+    if (g("context_parallel_size", 1) or 1) > 1:
+        out.append("context_parallel")
+    if g("moe_shared_expert_intermediate_size", None):
+        out.append("shared_experts")
+    return out
+
+
+def _replay_forward(items: list, level: float, peak: float, rows: list) -> tuple:
+    for it in items:
+        if it[0] in ("run", "ckpt"):
+            level, peak = _replay_forward(it[1], level, peak, rows) if it[0] == "run" else _ckpt_forward(
+                it[1], level, peak, rows)
+            continue
+        label, (fd, fp, _, _, _), op, layer = it
+        peak = max(peak, level + fp)
+        level += fd
+        rows.append((op, layer, fd, fp))
+    return level, peak
+
+
+_HIDDEN = [0.0]
+
+
+def _ckpt_forward(items: list, level: float, peak: float, rows: list) -> tuple:
+    """A checkpointed group's forward keeps only its output; its transient is at most its plain forward's."""
+    _, top = _replay_forward(items, level, peak, rows)
+    return level + _HIDDEN[0], max(peak, top)
+
+
+def _replay_backward(items: list, level: float, peak: float, bwd_rows: list) -> tuple:
+    for it in reversed(items):
+        if it[0] == "run":
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
+            continue
+        if it[0] == "ckpt":
+            # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it.
+            level, peak = _replay_forward(it[1], level, peak, [])
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
+            level -= _HIDDEN[0]
+            continue
+        label, (_, _, bd, bp, _), op, layer = it
+        peak = max(peak, level + bp)
+        level += bd
+        bwd_rows.append((op, layer, bp))
+    return level, peak
+
+
+def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tuple:
+    """(saved, fwd peak above entry, bwd peak above the all-saved level, per-op rows) of a chunk's own ops."""
+    items = cache.sequence(moe_flags, first, last)
+    _HIDDEN[0] = cache.hidden
+    rows: list = []
+    saved, fwd = _replay_forward(items, 0.0, 0.0, rows)
+    bwd_rows: list = []
+    _, bwd = _replay_backward(items, saved, saved, bwd_rows)
+    _account(cache, items)
+    return saved, max(fwd, saved), max(bwd - saved, 0.0), _op_rows(rows, bwd_rows)
+
+
+def _account(cache: ComposedCache, items: list) -> None:
+    for it in items:
+        if it[0] in ("run", "ckpt"):
+            _account(cache, it[1])
+            continue
+        label, (fd, _, _, _, measured), _, _ = it
+        if measured:
+            cache.saved_measured += max(fd, 0.0)
+        else:
+            cache.saved_extrapolated += max(fd, 0.0)
+            cache.extrapolated.add(label)
+
+
+def _op_rows(rows: list, bwd_rows: list) -> list:
+    """One (op, saved, fwd peak, bwd peak) row per op instance (an op in one layer), in forward order."""
+    acc: dict = {}
+    for op, layer, fd, fp in rows:
+        r = acc.setdefault((op, layer), [op, 0.0, 0.0, 0.0])
+        r[1] += fd
+        r[2] = max(r[2], fp)
+    for op, layer, bp in bwd_rows:
+        r = acc.setdefault((op, layer), [op, 0.0, 0.0, 0.0])
+        r[3] = max(r[3], bp)
+    return [tuple(r) for r in acc.values()]

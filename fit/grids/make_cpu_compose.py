@@ -1,0 +1,117 @@
+"""Writes fit/grids/cpu_compose.json: the campaign behind composed (per-segment) formula sets.
+
+Two bases, a GPT-style one (gelu, LayerNorm, learned positions, MHA, biases, tied) and a Llama-style one (swiglu,
+RMSNorm, rope, GQA, no biases, untied), each with every switch toggled alone (and TP with and without SP, bf16,
+dropout, selective recompute, MoE), each combination traced at several shapes drawn from a rotating list, so every
+segment label's formula is determined within the switch values that change it and pooled over those that do not.
+Run: python fit/grids/make_cpu_compose.py
+"""
+import json
+import os
+
+COMMON = ["--num-layers", "2", "--max-position-embeddings", "256", "--make-vocab-size-divisible-by", "64",
+          "--transformer-impl", "local", "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0"]
+# (seq, micro batch, hidden, heads, kv-channels or None, ffn or None, vocab): every variable moves on its own.
+SHAPES = [
+    (64, 2, 64, 4, None, None, 256),
+    (96, 1, 96, 6, None, 256, 320),
+    (48, 3, 128, 8, 24, None, 384),
+    (128, 1, 64, 8, 32, 192, 512),
+    (80, 2, 96, 4, None, 320, 448),
+    (32, 3, 128, 4, 48, 384, 320),
+]
+GPT = {}
+LLAMA = {"--swiglu": True, "--normalization": "RMSNorm", "--position-embedding-type": "rope",
+         "--group-query-attention": True, "--num-query-groups": 2, "--disable-bias-linear": True,
+         "--untie-embeddings-and-output-weights": True}
+TOGGLES = [  # (name, flags to add, flags to remove)
+    ("base", {}, ()),
+    ("swiglu", {"--swiglu": True}, ()),
+    ("gelu", {}, ("--swiglu",)),
+    ("rms", {"--normalization": "RMSNorm"}, ()),
+    ("ln", {}, ("--normalization",)),
+    ("rope", {"--position-embedding-type": "rope"}, ()),
+    ("learned", {}, ("--position-embedding-type",)),
+    ("nobias", {"--disable-bias-linear": True}, ()),
+    ("bias", {}, ("--disable-bias-linear",)),
+    ("gqa", {"--group-query-attention": True, "--num-query-groups": 2}, ()),
+    ("mha", {}, ("--group-query-attention", "--num-query-groups")),
+    ("untied", {"--untie-embeddings-and-output-weights": True}, ()),
+    ("tied", {}, ("--untie-embeddings-and-output-weights",)),
+    ("dropout", {"--hidden-dropout": 0.1, "--attention-dropout": 0.1}, ()),
+    ("selective", {"--recompute-activations": True}, ()),
+    ("tp2", {"--tensor-model-parallel-size": 2}, ()),
+    ("tp2sp", {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}, ()),
+    ("bf16", {"--bf16": True}, ()),
+    # megatron-core 0.16.1's SequentialMLP adds a bias in place to a view at one expert rank: MoE runs unbiased,
+    # as Megatron's MoE recipes do.
+    ("moe", {"--num-experts": 4, "--moe-router-topk": 2, "--disable-bias-linear": True}, ()),
+    ("moe_ep2", {"--num-experts": 4, "--moe-router-topk": 2, "--expert-model-parallel-size": 2,
+                 "--disable-bias-linear": True}, ()),
+]
+
+
+def shape_flags(shape) -> dict:
+    s, b, h, a, kv, f, v = shape
+    d = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
+         "--vocab-size": v}
+    if kv:
+        d["--kv-channels"] = kv
+    if f:
+        d["--ffn-hidden-size"] = f
+    return d
+
+
+def configs() -> list:
+    out, k = [], 0
+    for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
+        for name, add, drop in TOGGLES:
+            flags = {key: val for key, val in base.items() if key not in drop}
+            if add and all(flags.get(key) == val for key, val in add.items()):
+                continue            # already the base's value: the base covers it
+            if not add and not drop and name != "base":
+                continue
+            if drop and not any(key in base for key in drop):
+                continue
+            flags.update(add)
+            # TP, SP and bf16 change many segments through terms of their own: as many shapes as the base. Each
+            # combination starts where the previous one's first shapes ended (`first`), so adding shapes to one
+            # combination leaves every other's configs as they were.
+            first = 5 if name == "base" else 2 if name in ("bf16", "moe_ep2") else 3
+            n_shapes = 5 if name in ("base", "tp2", "tp2sp", "bf16") else first
+            start, k = k, k + first
+            for j in range(n_shapes):
+                shape = SHAPES[(start + j) % len(SHAPES)]
+                f = dict(flags)
+                f.update(shape_flags(shape))
+                if "--num-query-groups" in f and f["--num-attention-heads"] % 2:
+                    f["--num-query-groups"] = 3 if f["--num-attention-heads"] % 3 == 0 else 1
+                if "--bf16" in f:   # bf16 is ~14x slower on CPU: the smallest shapes
+                    f["--seq-length"], f["--micro-batch-size"] = min(f["--seq-length"], 48), 1
+                nproc = 2 if any(x in f for x in ("--tensor-model-parallel-size", "--expert-model-parallel-size")) else 1
+                s, b, h = f["--seq-length"], f["--micro-batch-size"], f["--hidden-size"]
+                entry = {"name": f"{base_name}_{name}_s{s}_b{b}_h{h}_a{f['--num-attention-heads']}",
+                         "set": {key: val for key, val in f.items() if val is not True},
+                         "flags": [key for key, val in f.items() if val is True]}
+                if nproc > 1:
+                    entry["nproc"] = nproc
+                out.append(entry)
+    return out
+
+
+def main():
+    cfgs = configs()
+    names = [c["name"] for c in cfgs]
+    assert len(set(names)) == len(names), "duplicate config names"
+    grid = {"name": "cpu_compose",
+            "description": __doc__.split("\n\n")[0].split(": ", 1)[1],
+            "device": "cpu", "iterations": 2, "base": COMMON, "configs": cfgs}
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_compose.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(grid, fh, indent=1)
+        fh.write("\n")
+    print(f"wrote {path}: {len(cfgs)} configs")
+
+
+if __name__ == "__main__":
+    main()
