@@ -20,6 +20,7 @@ ROOT = "step"
 FIRST_ONLY = ("data.tokens", "embedding")
 LAST_ONLY = ("data.labels", "output_layer", "loss", "final_layernorm")
 LAYER = "layers.*"
+EXPERT = ".local_experts.*"
 
 
 def own_label(op: str, child: str) -> str:
@@ -36,6 +37,7 @@ class ComposedCache:
         self.sw = F.switches(cfg, self.env)
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st
+        self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
         self._values: dict = {}
         self._by_label: dict = {}
         for sf in fset.segments:
@@ -117,8 +119,10 @@ class ComposedCache:
     def _expand(self, op: str, layer, sw: dict, out: list) -> None:
         self._own(op, layer, sw, out)
         for c in self.children(op, sw):
-            self._expand(c, layer, sw, out)
-            self._own(own_label(op, c), layer, sw, out, op=op)
+            # A SequentialMLP runs its local experts one after another, each on its share of the tokens.
+            for _ in range(self.local_experts if c.endswith(EXPERT) else 1):
+                self._expand(c, layer, sw, out)
+                self._own(own_label(op, c), layer, sw, out, op=op)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None) -> None:
         if label not in self._by_label:

@@ -25,8 +25,8 @@ def log_f(ptr, size=0):
     ("module.embedding.word_embeddings", "embedding.word_embeddings", None),
     ("output_layer", "output_layer", None),
     ("", "model", None),
-    ("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1", "layers.*.mlp.experts.linear_fc1", 2),
-    ("decoder.layers.2.mlp.experts.local_experts.11", "layers.*.mlp.experts", 2),
+    ("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1", "layers.*.mlp.experts.local_experts.*.linear_fc1", 2),
+    ("decoder.layers.2.mlp.experts.local_experts.11", "layers.*.mlp.experts.local_experts.*", 2),
 ])
 def test_normalise_op(path, op, layer):
     assert normalise_op(path) == (op, layer)

@@ -49,7 +49,8 @@ _EXPERT_RE = re.compile(r"\.local_experts\.\d+(?=\.|$)")
 
 def normalise_op(path: str) -> tuple[str, int | None]:
     """`module.decoder.layers.7.mlp.linear_fc1` -> (`layers.*.mlp.linear_fc1`, 7); `decoder.final_layernorm` ->
-    (`final_layernorm`, None); `...mlp.experts.local_experts.5.linear_fc1` -> `...mlp.experts.linear_fc1`.
+    (`final_layernorm`, None); `...mlp.experts.local_experts.5.linear_fc1` -> `...mlp.experts.local_experts.*.linear_fc1`;
+    `decoder` -> `decoder` (the TransformerBlock itself).
     Leading wrapper segments (`module`, chunk indices, `decoder`) are dropped."""
     parts = path.split(".") if path else []
     while parts and (parts[0] == "module" or parts[0].isdigit()):
@@ -63,8 +64,9 @@ def normalise_op(path: str) -> tuple[str, int | None]:
     if m is None:
         return (rest or "model"), None
     layer = int(m.group(2))
-    # per-expert modules of a SequentialMLP fold into one op (summed over local experts), as parameters do
-    op = _EXPERT_RE.sub("", rest[: m.start(2)] + "*" + rest[m.end(2):])
+    # a SequentialMLP's local experts are one op, `local_experts.*`, run once per local expert (op statistics roll
+    # it up into `experts`, summed over local experts, as parameters do)
+    op = _EXPERT_RE.sub(".local_experts.*", rest[: m.start(2)] + "*" + rest[m.end(2):])
     return op, layer
 
 

@@ -87,7 +87,7 @@ def configs() -> list:
                 if "--num-query-groups" in f and f["--num-attention-heads"] % 2:
                     f["--num-query-groups"] = 3 if f["--num-attention-heads"] % 3 == 0 else 1
                 if "--bf16" in f:   # bf16 is ~14x slower on CPU: the smallest shapes
-                    f["--seq-length"], f["--micro-batch-size"] = min(f["--seq-length"], 48), 1
+                    f["--seq-length"], f["--micro-batch-size"] = min(f["--seq-length"], 48), min(f["--micro-batch-size"], 2)
                 nproc = 2 if any(x in f for x in ("--tensor-model-parallel-size", "--expert-model-parallel-size")) else 1
                 s, b, h = f["--seq-length"], f["--micro-batch-size"], f["--hidden-size"]
                 entry = {"name": f"{base_name}_{name}_s{s}_b{b}_h{h}_a{f['--num-attention-heads']}",
