@@ -110,7 +110,7 @@ def draw(seed: int, index: int) -> dict:
     seq = rng.randrange(128, 385, 32)
     mb = rng.randint(1, 4)
     if bf16:   # small: bf16 matmuls are ~14x slower than fp32 on CPU
-        layers, hidden, seq, mb = 2, rng.choice([64, 96]), rng.randrange(128, 161, 32), rng.randint(1, 2)
+        layers, hidden, seq, mb = 2, rng.choice([64, 96]), rng.randrange(160, 225, 32), rng.randint(1, 2)
     heads = hidden // head_dim
     if heads % tp:
         head_dim, heads = 16, hidden // 16

@@ -119,7 +119,7 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message."""
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
-    fset = F.load(own["formulas"] or formulas) if (own["formulas"] or formulas) else F.default_for(cfg)
+    fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
     est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
     layout = PAR.layout_from_config(cfg)

@@ -8,9 +8,9 @@ quantities. Replaying the deltas and peaks gives the chunk's saved bytes and its
 way the traced runs reached theirs; each segment's formula depends only on the switches that change it, so a config
 whose combination of switches was never traced is composed from segments measured in other combinations.
 
-Where a label has no formula measured for the config's switch values it is *extrapolated*: every quantity takes the
-largest value any of the label's formulas gives for the config (so the estimate errs high), and the report says
-which labels and what share of the saved bytes that is (`coverage`).
+Where a label has no formula measured for the config's switch values it is *extrapolated*: each quantity takes the
+largest value among the label's determined formulas nearest the config's switches (fewest differing `when` values),
+and the report says which labels and what share of the saved bytes that is (`coverage`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ class ComposedCache:
     def __init__(self, fset: F.FormulaSet, cfg):
         self.fset, self.cfg = fset, cfg
         self.env = F.variables(cfg)
-        self.sw = F.switches(cfg, self.env)
+        # Full recompute is composed from the plain layer's segments (checkpoint groups in `sequence`).
+        self.sw = dict(F.switches(cfg, self.env))
+        if self.sw["recompute"] == "full":
+            self.sw["recompute"] = "none"
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
@@ -47,7 +50,7 @@ class ComposedCache:
         self.saved_measured = 0.0
         self.saved_extrapolated = 0.0
         self.extrapolated: set = set()
-        self.untraced = untraced_features(cfg, self.sw, fset)
+        self.untraced = untraced_features(cfg, self.sw, fset)   # after mapping full recompute to its plain layer
 
     def fallbacks(self) -> set:
         return set()   # a composed set never takes a number from the modelled set
@@ -73,8 +76,17 @@ class ComposedCache:
         match = next((sf for sf in cands if sf.matches(sw)), None)
         if match is not None and match.covers(sw) and all(q is not None for q in match.quantities):
             return (*(_sum(q, self.env) for q in match.quantities), True)
-        vals = [max((_sum(sf.quantities[i], self.env) for sf in cands if sf.quantities[i] is not None),
-                    default=0.0) for i in range(4)]
+        # Extrapolated: per quantity, the largest value among the determined formulas nearest the config's
+        # switches (fewest `when` values differing from it).
+        vals = []
+        for i in range(4):
+            have = [sf for sf in cands if sf.quantities[i] is not None]
+            if not have:
+                vals.append(0.0)
+                continue
+            dist = [sum(sw.get(k) != v for k, v in sf.when) for sf in have]
+            near = min(dist)
+            vals.append(max(_sum(sf.quantities[i], self.env) for sf, d in zip(have, dist) if d == near))
         return (*vals, False)
 
     def children(self, op: str, sw: dict) -> tuple:

@@ -380,23 +380,6 @@ def resolve(name_or_path: str) -> str:
                        f"(shipped: {', '.join(shipped_sets()) or 'none'})")
 
 
-# The shipped composed set measured on CPU traces (local spec); the default wherever it covers the config.
-MEASURED_SET = "cpu_compose"
-
-
-def default_for(cfg: Any) -> FormulaSet:
-    """The set an estimate uses when none is named: the shipped measured (composed) set where every switch value
-    and feature of the config was traced, else the modelled set."""
-    try:
-        measured = load(MEASURED_SET)
-    except FormulaError:
-        return load(DEFAULT_SET)
-    from .compose import untraced_features
-    if measured.composed and not untraced_features(cfg, switches(cfg), measured):
-        return measured
-    return load(DEFAULT_SET)
-
-
 _LOADED: Dict[Tuple[str, float], FormulaSet] = {}
 
 

@@ -246,8 +246,8 @@ def _coverage_lines(cov) -> list[str]:
     out = [f"  composed from per-op segment formulas: {100 * cov['measured_share']:.1f}% of the saved activation "
            f"bytes from formulas measured for this config's switches"]
     if cov["extrapolated"]:
-        out.append(f"  extrapolated (no formula measured for these switches; the largest of the label's formulas "
-                   f"is used, so the estimate errs high): {', '.join(cov['extrapolated'])}")
+        out.append(f"  extrapolated (no formula measured for these switches; the largest of the label's nearest "
+                   f"formulas is used): {', '.join(cov['extrapolated'])}")
     if cov["untraced"]:
         out.append(f"  not in any traced run, composed without them: {', '.join(cov['untraced'])}")
     return out

@@ -102,7 +102,6 @@ def _fit_part(label: str, runs: list, keys: tuple, cache: dict) -> dict:
 
 
 PAIR_LIMIT = 24
-MIN_PART = 4
 SLACK_BYTES = 64   # a few scalars (a 4-byte tensor freed by the garbage collector in one run, not in another)
 
 
@@ -202,9 +201,6 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
                 break
             split = _parts(runs, keys + ks)
             trial = {part: _fit_part(label, rs, keys + ks, cache) for part, rs in split.items()}
-            # A part too small to determine much is only worth making when it is fully determined.
-            if any(len(rs) < MIN_PART and _failures({part: trial[part]}) for part, rs in split.items()):
-                continue
             if best is None or _covered(trial, runs, keys + ks) > _covered(best[1], runs, keys + best[0]):
                 best = (ks, trial)
         if best is None:
