@@ -49,9 +49,9 @@ def run_samples(path: str, ranks: list | None = None) -> dict[str, SegmentSample
     return out
 
 
-def compare_runs(a: dict[str, SegmentSample], b: dict[str, SegmentSample]) -> list[tuple]:
-    """[(label, quantity, value in a, value in b)] for every label both have, where the values differ; labels
-    only one run has come back with None on the other side."""
+def compare_runs(a: dict[str, SegmentSample], b: dict[str, SegmentSample], slack: int = 0) -> list[tuple]:
+    """[(label, quantity, value in a, value in b)] for every label both have, where the values differ by more than
+    `slack` bytes; labels only one run has come back with None on the other side."""
     out = []
     for label in sorted(set(a) | set(b)):
         sa, sb = a.get(label), b.get(label)
@@ -60,6 +60,6 @@ def compare_runs(a: dict[str, SegmentSample], b: dict[str, SegmentSample]) -> li
             continue
         for q in QUANTITIES:
             va, vb = sa.values.get(q), sb.values.get(q)
-            if va != vb:
+            if va != vb and (va is None or vb is None or abs(va - vb) > slack):
                 out.append((label, q, va, vb))
     return out

@@ -39,7 +39,10 @@ def samples(tmp_path_factory):
 
 
 def _changed(samples, other):
-    return {label for label, *_ in compare_runs(samples["base"], samples[other])}
+    # A few bytes either way are a scalar the garbage collector freed inside another segment of one run (more
+    # often on a loaded machine): the fit allows the same slack (fit.segment_fit.SLACK_BYTES).
+    from fit.segment_fit import SLACK_BYTES
+    return {label for label, *_ in compare_runs(samples["base"], samples[other], SLACK_BYTES)}
 
 
 def test_norm_type_changes_only_norm_segments(samples):
@@ -63,6 +66,8 @@ def test_layers_of_one_run_allocate_alike(samples):
         for label, s in by_label.items():
             if not s.in_layer:
                 continue
+            from fit.segment_fit import SLACK_BYTES   # a stray scalar, as in _changed
             for q, (lo, hi) in s.spread.items():
-                assert lo == hi or (q == "bwd_delta" and hi - lo == mask and s.values[q] == hi
-                                    and label == "layers.*.self_attention.core_attention"), (name, label, q, lo, hi)
+                assert hi - lo <= SLACK_BYTES or (q == "bwd_delta" and hi - lo == mask and s.values[q] == hi
+                                                  and label == "layers.*.self_attention.core_attention"), \
+                    (name, label, q, lo, hi)

@@ -51,6 +51,13 @@ TOGGLES = [  # (name, flags to add, flags to remove)
 ]
 
 
+# Pairs of toggles whose ops interact (dropout, recompute, rotary positions, GQA, biases and sequence parallelism all
+# change what the attention and the bias-dropout-add keep): each pair applied together to each base.
+PAIRS = [("dropout", "selective"), ("dropout", "tp2sp"), ("selective", "tp2sp"), ("dropout", "nobias"),
+         ("dropout", "bias"), ("selective", "rope"), ("selective", "learned"), ("selective", "gqa"),
+         ("selective", "mha"), ("dropout", "rope"), ("dropout", "learned")]
+
+
 def shape_flags(shape) -> dict:
     s, b, h, a, kv, f, v = shape
     d = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
@@ -60,6 +67,25 @@ def shape_flags(shape) -> dict:
     if f:
         d["--ffn-hidden-size"] = f
     return d
+
+
+def _entry(prefix: str, flags: dict, shape) -> dict:
+    """One grid config: the flags at one shape (GQA groups that divide the heads; bf16 small, as it is ~14x slower
+    on CPU), named by the prefix and the shape."""
+    f = dict(flags)
+    f.update(shape_flags(shape))
+    if "--num-query-groups" in f and f["--num-attention-heads"] % 2:
+        f["--num-query-groups"] = 3 if f["--num-attention-heads"] % 3 == 0 else 1
+    if "--bf16" in f:
+        f["--seq-length"], f["--micro-batch-size"] = min(f["--seq-length"], 48), min(f["--micro-batch-size"], 2)
+    nproc = 2 if any(x in f for x in ("--tensor-model-parallel-size", "--expert-model-parallel-size")) else 1
+    s, b, h = f["--seq-length"], f["--micro-batch-size"], f["--hidden-size"]
+    entry = {"name": f"{prefix}_s{s}_b{b}_h{h}_a{f['--num-attention-heads']}",
+             "set": {key: val for key, val in f.items() if val is not True},
+             "flags": [key for key, val in f.items() if val is True]}
+    if nproc > 1:
+        entry["nproc"] = nproc
+    return entry
 
 
 def configs() -> list:
@@ -81,21 +107,25 @@ def configs() -> list:
             n_shapes = 5 if name in ("base", "tp2", "tp2sp", "bf16") else first
             start, k = k, k + first
             for j in range(n_shapes):
-                shape = SHAPES[(start + j) % len(SHAPES)]
-                f = dict(flags)
-                f.update(shape_flags(shape))
-                if "--num-query-groups" in f and f["--num-attention-heads"] % 2:
-                    f["--num-query-groups"] = 3 if f["--num-attention-heads"] % 3 == 0 else 1
-                if "--bf16" in f:   # bf16 is ~14x slower on CPU: the smallest shapes
-                    f["--seq-length"], f["--micro-batch-size"] = min(f["--seq-length"], 48), min(f["--micro-batch-size"], 2)
-                nproc = 2 if any(x in f for x in ("--tensor-model-parallel-size", "--expert-model-parallel-size")) else 1
-                s, b, h = f["--seq-length"], f["--micro-batch-size"], f["--hidden-size"]
-                entry = {"name": f"{base_name}_{name}_s{s}_b{b}_h{h}_a{f['--num-attention-heads']}",
-                         "set": {key: val for key, val in f.items() if val is not True},
-                         "flags": [key for key, val in f.items() if val is True]}
-                if nproc > 1:
-                    entry["nproc"] = nproc
-                out.append(entry)
+                out.append(_entry(f"{base_name}_{name}", flags, SHAPES[(start + j) % len(SHAPES)]))
+    toggles = {name: (add, drop) for name, add, drop in TOGGLES}
+    for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
+        for a, b in PAIRS:
+            flags = dict(base)
+            applies = True
+            for name in (a, b):
+                add, drop = toggles[name]
+                if (drop and not any(key in base for key in drop)) or (add and all(base.get(key) == val
+                                                                                   for key, val in add.items())):
+                    applies = False
+                for key in drop:
+                    flags.pop(key, None)
+                flags.update(add)
+            if not applies:
+                continue
+            for j in range(3):
+                out.append(_entry(f"{base_name}_{a}_{b}", flags, SHAPES[(k + j) % len(SHAPES)]))
+            k += 3
     return out
 
 
