@@ -470,6 +470,19 @@ def worker(opts: Options) -> int:
 # ---- launchers ---------------------------------------------------------------------------------------------
 
 def free_port() -> int:
+    """A free TCP port for the rendezvous. Drawn at random below the kernel's ephemeral range: launchers started at
+    the same moment that each ask the kernel for port 0 can be handed the same just-released port (seen: three
+    profiles started together all got one port, and two failed with EADDRINUSE)."""
+    import random
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
