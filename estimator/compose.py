@@ -174,11 +174,11 @@ def untraced_features(cfg, sw: dict, fset) -> list:
     return out
 
 
-def _replay_forward(items: list, level: float, peak: float, rows: list) -> tuple:
+def _replay_forward(items: list, level: float, peak: float, rows: list, hidden: float) -> tuple:
     for it in items:
         if it[0] in ("run", "ckpt"):
-            level, peak = _replay_forward(it[1], level, peak, rows) if it[0] == "run" else _ckpt_forward(
-                it[1], level, peak, rows)
+            level, peak = _replay_forward(it[1], level, peak, rows, hidden) if it[0] == "run" else _ckpt_forward(
+                it[1], level, peak, rows, hidden)
             continue
         label, (fd, fp, _, _, _), op, layer = it
         peak = max(peak, level + fp)
@@ -187,25 +187,22 @@ def _replay_forward(items: list, level: float, peak: float, rows: list) -> tuple
     return level, peak
 
 
-_HIDDEN = [0.0]
-
-
-def _ckpt_forward(items: list, level: float, peak: float, rows: list) -> tuple:
+def _ckpt_forward(items: list, level: float, peak: float, rows: list, hidden: float) -> tuple:
     """A checkpointed group's forward keeps only its output; its transient is at most its plain forward's."""
-    _, top = _replay_forward(items, level, peak, rows)
-    return level + _HIDDEN[0], max(peak, top)
+    _, top = _replay_forward(items, level, peak, rows, hidden)
+    return level + hidden, max(peak, top)
 
 
-def _replay_backward(items: list, level: float, peak: float, bwd_rows: list) -> tuple:
+def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hidden: float) -> tuple:
     for it in reversed(items):
         if it[0] == "run":
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows, hidden)
             continue
         if it[0] == "ckpt":
             # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it.
-            level, peak = _replay_forward(it[1], level, peak, [])
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
-            level -= _HIDDEN[0]
+            level, peak = _replay_forward(it[1], level, peak, [], hidden)
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows, hidden)
+            level -= hidden
             continue
         label, (_, _, bd, bp, _), op, layer = it
         peak = max(peak, level + bp)
@@ -217,11 +214,10 @@ def _replay_backward(items: list, level: float, peak: float, bwd_rows: list) -> 
 def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tuple:
     """(saved, fwd peak above entry, bwd peak above the all-saved level, per-op rows) of a chunk's own ops."""
     items = cache.sequence(moe_flags, first, last)
-    _HIDDEN[0] = cache.hidden
     rows: list = []
-    saved, fwd = _replay_forward(items, 0.0, 0.0, rows)
+    saved, fwd = _replay_forward(items, 0.0, 0.0, rows, cache.hidden)
     bwd_rows: list = []
-    _, bwd = _replay_backward(items, saved, saved, bwd_rows)
+    _, bwd = _replay_backward(items, saved, saved, bwd_rows, cache.hidden)
     _account(cache, items)
     return saved, max(fwd, saved), max(bwd - saved, 0.0), _op_rows(rows, bwd_rows)
 
