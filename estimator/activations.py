@@ -169,10 +169,7 @@ def cache_for(fset, cfg):
     """The per-(set, config) evaluator: a LayerCache, or for a composed set (FORMATS 4.1) a ComposedCache."""
     if fset.composed:
         from .compose import ComposedCache
-        cache = ComposedCache(fset, cfg)
-        h = cache.hidden
-        cache.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])
-        return cache
+        return ComposedCache(fset, cfg)
     return LayerCache(fset, cfg)
 
 

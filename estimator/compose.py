@@ -41,6 +41,8 @@ class ComposedCache:
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
+        h = self.hidden
+        self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input
         self._values: dict = {}
         self._by_label: dict = {}
         for sf in fset.segments:
@@ -157,10 +159,12 @@ def _structure(fset, op: str) -> list:
 def untraced_features(cfg, sw: dict, fset) -> list:
     """Config features a composed set cannot express (no traced run had them), named for the report."""
     out = []
-    seen_values: dict = {}
-    for sf in fset.segments:
-        for k, vals in sf.seen:
-            seen_values.setdefault(k, set()).update(vals)
+    seen_values = fset._cache.get("seen switch values")
+    if seen_values is None:
+        seen_values = fset._cache["seen switch values"] = {}
+        for sf in fset.segments:
+            for k, vals in sf.seen:
+                seen_values.setdefault(k, set()).update(vals)
     for k, v in sw.items():
         if k in seen_values and v not in seen_values[k]:
             out.append(f"{k}={v}")

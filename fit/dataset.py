@@ -136,7 +136,9 @@ def _is_run(path: str) -> bool:
     return os.path.isdir(path) and any(f.startswith("rank") and f.endswith(TRACE_SUFFIXES) for f in os.listdir(path))
 
 
-def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
+def parsed_run(path: str) -> tuple[list, dict, dict]:
+    """(parsed ranks, rank 0's header, its config as the fit reads it) of one run directory; a run no fit can use
+    is a DatasetError naming it."""
     from tracer.parse import parse_run  # the fitter reads parsed traces; imported late so basis/solve stay light
     try:
         ranks = parse_run(path)
@@ -156,6 +158,11 @@ def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
         raise DatasetError(f"{path}: an MoE run traced without --balanced-routing: its expert buffers follow the "
                            f"router's data-dependent choices, which no formula of the shapes fits; profile it again "
                            f"with python -m tracer.profile --balanced-routing")
+    return ranks, hdr, cfg
+
+
+def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
+    ranks, hdr, cfg = parsed_run(path)
     info = RunInfo(path=path, config=cfg, argv=list(hdr.get("argv", [])), device=str(hdr.get("device", "?")),
                    backend=str(hdr.get("backend", "?")), versions=dict(hdr.get("versions", {})),
                    world_size=int(hdr.get("world_size", len(ranks))), iterations=int(hdr.get("iterations", 0)),
@@ -334,7 +341,7 @@ def layer_points(r, rolled: list[dict]) -> dict:
 
 def optimizer_transients(ranks: list) -> list[int]:
     """Peak above entry of each `optim` scope after the first iteration, over all ranks."""
-    from tracer.parse import K_ITER, K_OPTIM, inherit, range_max
+    from tracer.parse import K_ITER, K_OPTIM, inherit, iteration_of, range_max
     out = []
     for r in ranks:
         sc = r.scopes
@@ -342,7 +349,7 @@ def optimizer_transients(ranks: list) -> list[int]:
             continue
         it_row = inherit(sc, sc.kind == K_ITER)
         rows = [i for i in range(len(sc.open)) if sc.kind[i] == K_OPTIM]
-        iters = {i: _iter_no(r, int(it_row[i])) for i in rows}
+        iters = {i: iteration_of(r, int(it_row[i])) for i in rows}
         if any(v >= 1 for v in iters.values()):
             rows = [i for i in rows if iters[i] >= 1]
         if not rows:
@@ -352,12 +359,6 @@ def optimizer_transients(ranks: list) -> list[int]:
         out.extend(int(x) for x in peak)
     return out
 
-
-def _iter_no(r, row: int) -> int:
-    if row < 0:
-        return -1
-    name = r.scope_name(row)
-    return int(name.split(":", 1)[1]) if name.startswith("iter:") and name[5:].isdigit() else -1
 
 
 def load(paths: list[str], raw_ops: bool = False) -> tuple[list[RunInfo], list[Sample]]:

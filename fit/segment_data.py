@@ -3,7 +3,7 @@
 tracer.segments cuts every microbatch into segments labelled by op (`layers.*.mlp@linear_fc1`, ...). Per run and
 label this reduces them over layers, microbatches, ranks and iterations >= 1 (iteration 0 is warm-up) to one value
 per quantity: `fwd_delta`, `fwd_peak`, `bwd_delta`, `bwd_peak` (the most common value; segments of one label on
-identical layers allocate identically), and keeps how often the label occurs per layer in each phase. These are the
+identical layers allocate identically), with the range of the values reduced. These are the
 numbers a composed estimate replays, so a label's values must depend only on the switches of the ops around it:
 `compare_runs` shows, for two configs, which labels agree and which do not.
 """
@@ -22,7 +22,6 @@ class SegmentSample:
     in_layer: bool
     values: dict                                   # quantity -> int (absent: the phase has no such segment)
     spread: dict = field(default_factory=dict)     # quantity -> (min, max) over the reduced segments
-    count: dict = field(default_factory=dict)      # phase -> occurrences per layer (or per microbatch outside)
 
 
 def run_samples(path: str, ranks: list | None = None) -> dict[str, SegmentSample]:
@@ -34,18 +33,15 @@ def run_samples(path: str, ranks: list | None = None) -> dict[str, SegmentSample
     later = any(s.iteration >= 1 for s in segs)
     segs = [s for s in segs if s.iteration >= 1 or not later]
     by: dict[str, dict[str, list[int]]] = {}
-    occ: dict[tuple, Counter] = {}
     for s in segs:
         d = by.setdefault(s.label, {})
         d.setdefault(f"{s.phase}_delta", []).append(s.delta)
         d.setdefault(f"{s.phase}_peak", []).append(s.peak)
-        occ.setdefault((s.label, s.phase), Counter())[(s.iteration, s.microbatch, s.chunk, s.layer)] += 1
     out = {}
     for label, d in by.items():
         vals = {q: Counter(xs).most_common(1)[0][0] for q, xs in d.items()}
         spread = {q: (min(xs), max(xs)) for q, xs in d.items()}
-        count = {ph: Counter(c.values()).most_common(1)[0][0] for (lb, ph), c in occ.items() if lb == label}
-        out[label] = SegmentSample(path, label, label.startswith("layers.*"), vals, spread, count)
+        out[label] = SegmentSample(path, label, label.startswith("layers.*"), vals, spread)
     return out
 
 

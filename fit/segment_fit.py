@@ -20,10 +20,10 @@ from collections import Counter
 from estimator.formulas import switches as config_switches
 
 from . import basis
-from .dataset import DatasetError, expand_dirs, point_of
+from .dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .group import SWITCH_ORDER, domain
 from .segment_data import QUANTITIES, run_samples
-from .solve import FitRefused, fit_group  # noqa: F401
+from .solve import FitRefused, fit_group
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
 ORDER = SWITCH_ORDER + ("bias", "tied", "softmax_fp32")
@@ -37,17 +37,9 @@ _WEIGHT_ATOMS = ["h*f/t", "h*h/t", "h*a*d/t", "h*g*d/t", "v*h/t", "h", "f/t", "a
 
 class Run:
     def __init__(self, path: str):
-        from tracer.parse import parse_run
         from tracer.segments import op_children
-        ranks = parse_run(path)
-        if not ranks:
-            raise DatasetError(f"{path}: no ranks")
-        hdr = ranks[0].header or {}
-        self.path, self.config = path, hdr.get("config")
-        if not isinstance(self.config, dict):
-            raise DatasetError(f"{path}: rank header has no 'config' (not written by the profiler?)")
-        if self.config.get("num_experts") and hdr.get("routing") != "balanced":
-            raise DatasetError(f"{path}: an MoE run traced without --balanced-routing")
+        ranks, _, self.config = parsed_run(path)
+        self.path = path
         self.switches = config_switches(self.config)
         self.point = point_of(self.config)
         self.samples = run_samples(path, ranks)

@@ -236,6 +236,14 @@ def inherit(sc: Scopes, mask: np.ndarray) -> np.ndarray:
     return out
 
 
+def iteration_of(pr: "ParsedRank", row: int) -> int:
+    """The iteration number of an `iter:<i>` scope row, -1 for no row or another scope."""
+    if row < 0:
+        return -1
+    name = pr.scope_name(row)
+    return int(name[5:]) if name.startswith("iter:") and name[5:].isdigit() else -1
+
+
 def at_rows(v: np.ndarray, rows: np.ndarray, fill=-1) -> np.ndarray:
     """v[rows] with `fill` where rows is -1 (and for an empty v)."""
     if len(v) == 0:

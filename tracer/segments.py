@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .parse import K_BWD, K_DATA, K_FWD, K_ITER, K_LOSS, K_MOD, ParsedRank, _classify_name, inherit, normalise_op
-from .trace_reader import MARK
+from estimator.compose import own_label
+
+from .parse import (K_BWD, K_DATA, K_FWD, K_ITER, K_LOSS, K_MOD, ParsedRank, _classify_name, inherit, iteration_of,
+                    normalise_op)
 
 ROOT = "step"
 _OP_KINDS = (K_MOD, K_LOSS, K_DATA)
@@ -45,12 +47,6 @@ class Segment:
     peak: int
 
 
-def own_label(op: str, child: str) -> str:
-    """Label of op's own code right after child `child`: `layers.*.mlp@linear_fc1` (the child's name relative
-    to the op where it is nested in it by path)."""
-    return f"{op}@{child[len(op) + 1:] if child.startswith(op + '.') else child}"
-
-
 def _chunk_of(name: str) -> tuple[int, int | None]:
     rest = name.split(":", 1)[1]
     mb, _, c = rest.partition(":c")
@@ -58,8 +54,18 @@ def _chunk_of(name: str) -> tuple[int, int | None]:
 
 
 def _node(pr: ParsedRank, row: int) -> tuple[str, int | None]:
-    kind, _, op, layer = _classify_name(pr.scope_name(row))
+    _, _, op, layer = _classify_name(pr.scope_name(row))
     return op, layer
+
+
+def _op_children(sc) -> dict[int, list[int]]:
+    """Scope row -> its op-scope children rows in push order (the nearest op or fwd scope is the parent)."""
+    is_op = np.isin(sc.kind, _OP_KINDS)
+    op_parent = _op_parents(sc, is_op)
+    children: dict[int, list[int]] = {}
+    for row in np.flatnonzero(is_op):
+        children.setdefault(int(op_parent[row]), []).append(int(row))
+    return children
 
 
 def rank_segments(pr: ParsedRank) -> list[Segment]:
@@ -70,15 +76,11 @@ def rank_segments(pr: ParsedRank) -> list[Segment]:
     it_row = inherit(sc, sc.kind == K_ITER)
     out: list[Segment] = []
     tree: dict = {}     # (op, layer) -> (parent (op, layer), [children (op, layer)]) from the forward scopes
-    is_op = np.isin(sc.kind, _OP_KINDS)
-    op_parent = _op_parents(sc, is_op)
-    children: dict[int, list[int]] = {}
-    for row in np.flatnonzero(is_op):
-        children.setdefault(int(op_parent[row]), []).append(int(row))
+    children = _op_children(sc)
     live = pr.live
     for row in np.flatnonzero(sc.kind == K_FWD):
         row = int(row)
-        it = _iteration(pr, int(it_row[row]))
+        it = iteration_of(pr, int(it_row[row]))
         mb, chunk = _chunk_of(pr.scope_name(row))
         cuts: list[tuple[int, str, int | None]] = []   # (boundary record, label of what follows, layer)
         _walk(pr, row, (ROOT, None), children, cuts, tree)
@@ -86,14 +88,14 @@ def rank_segments(pr: ParsedRank) -> list[Segment]:
         out += _segments("fwd", it, mb, chunk, cuts, live)
     bwd_rows = np.flatnonzero(sc.kind == K_BWD)
     if len(bwd_rows):
-        marks = [(i, nm) for i, _, nm in _marks(pr) if nm.startswith(("bwd>", "bwd<"))]
+        marks = [(i, nm) for i, _, nm in pr.marks if nm.startswith(("bwd>", "bwd<"))]
         mark_at = np.array([i for i, _ in marks], np.int64)
         for row in bwd_rows:
             row = int(row)
             name = pr.scope_name(row)
             if not name.split(":", 1)[1].split(":")[0].isdigit():
                 continue
-            it = _iteration(pr, int(it_row[row]))
+            it = iteration_of(pr, int(it_row[row]))
             mb, chunk = _chunk_of(name)
             o, c = int(sc.open[row]), int(sc.close[row])
             lo, hi = np.searchsorted(mark_at, [o, c])
@@ -104,29 +106,12 @@ def rank_segments(pr: ParsedRank) -> list[Segment]:
     return out
 
 
-def _marks(pr: ParsedRank) -> list:
-    if pr.marks:
-        return pr.marks
-    kind = pr.trace.records["kind"]
-    tag = pr.trace.records["tag"]
-    return [(int(i), 0, pr.trace.name(int(tag[i]))) for i in np.flatnonzero(kind == MARK)]
-
-
-def _iteration(pr: ParsedRank, row: int) -> int:
-    if row < 0:
-        return -1
-    name = pr.scope_name(row)
-    return int(name[5:]) if name.startswith("iter:") and name[5:].isdigit() else -1
-
-
 def _op_parents(sc, is_op: np.ndarray) -> np.ndarray:
     """For each scope row, the nearest op-scope (or fwd-scope) ancestor row, -1 if none."""
-    anchor = is_op | (sc.kind == K_FWD)
-    up = np.where(sc.parent >= 0, sc.parent, -1)
-    nearest = inherit(sc, anchor)          # innermost anchor including itself
+    nearest = inherit(sc, is_op | (sc.kind == K_FWD))   # innermost anchor, the row itself included
     out = np.full(len(sc.open), -1, np.int64)
-    ok = up >= 0
-    out[ok] = nearest[up[ok]]
+    ok = sc.parent >= 0
+    out[ok] = nearest[sc.parent[ok]]
     return out
 
 
@@ -168,7 +153,7 @@ def _backward_cuts(marks: list, tree: dict, live: np.ndarray) -> list:
     i = 0
     while i < len(marks):
         j = i + 1
-        while j < len(marks) and live[marks[j][0]] == live[marks[i][0]] and _no_memory_between(marks[j - 1][0], marks[j][0], live):
+        while j < len(marks) and _no_memory_between(marks[j - 1][0], marks[j][0], live):
             j += 1
         group = [(nm[4:], nm[:4]) for _, nm in marks[i:j]]
         leave = sorted((normalise_op(p) for p, k in group if k == "bwd<"), key=lambda n: -depth_of(n))
@@ -223,15 +208,10 @@ def op_children(pr: ParsedRank) -> dict[str, list[str]]:
     if not fwd:
         return {}
     it_row = inherit(sc, sc.kind == K_ITER)
-    last = max(_iteration(pr, int(it_row[r])) for r in fwd)
-    row = next(r for r in fwd if _iteration(pr, int(it_row[r])) == last)
-    is_op = np.isin(sc.kind, _OP_KINDS)
-    op_parent = _op_parents(sc, is_op)
-    children: dict[int, list[int]] = {}
-    for r in np.flatnonzero(is_op):
-        children.setdefault(int(op_parent[r]), []).append(int(r))
+    last = max(iteration_of(pr, int(it_row[r])) for r in fwd)
+    row = next(r for r in fwd if iteration_of(pr, int(it_row[r])) == last)
     tree: dict = {}
-    _walk(pr, row, (ROOT, None), children, [], tree)
+    _walk(pr, row, (ROOT, None), _op_children(sc), [], tree)
     out: dict[str, list[str]] = {}
     for (op, _), (_, kids) in tree.items():
         names = []
