@@ -118,7 +118,10 @@ class LayerCache:
         key = (moe, recompute)
         if key not in self._cache:
             sw = dict(self.sw, moe=moe, recompute=recompute)
-            ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
+            mlp = MOE_MLP_OPS if moe else DENSE_MLP_OPS
+            if moe and not _g(self.cfg, "moe_shared_expert_intermediate_size"):
+                mlp = MOE_MLP_OPS[:-1]   # no shared-expert module: no row (its formulas are not all zero then)
+            ops = ATTN_OPS + mlp + (LAYER_OP,)
             self._cache[key] = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(

@@ -6,8 +6,8 @@ and DP with and without the distributed optimizer; CP and EP rows are modelled):
   (column-parallel input grads); the vocab-parallel embedding all-reduces its output; the output layer all-reduces
   its input grad; vocab-parallel cross-entropy all-reduces three fp32 [s/cp, b] tensors.
 - TP + SP: per layer forward 2 all-gathers + 2 reduce-scatters, backward 4 all-gathers (input re-gather for the
-  weight grad, and the reduce-scatters' backward) + 2 reduce-scatters; the embedding still all-reduces [b, s, h]
-  (then splits) and all-gathers in backward; the output layer all-gathers forward and backward and reduce-scatters
+  weight grad, and the reduce-scatters' backward) + 2 reduce-scatters; the embedding reduce-scatters [s, b, h] (rope or no
+  positions; with learned positions it all-reduces [b, s, h], then splits) and all-gathers in backward; the output layer all-gathers forward and backward and reduce-scatters
   its input grad; after backward, one all-reduce of the grads of TP-replicated params (norms, row-parallel biases).
 - PP: per microbatch, send of activations [s/cp/(t if SP), b, h] forward and of their grads backward.
 - DP: megatron DDP's grad buffer per bucket (grad dtype; padded under the distributed optimizer): all-reduce, or
@@ -310,7 +310,13 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                 gdt, 0, [p], "step", per_iter=1)
 
     if t > 1:
-        add("tp", "all-reduce", "word embedding output", "tp", (b, s, h), pdt, 1, first, "fwd")
+        # megatron-core reduce-scatters the vocab-parallel embedding's output straight into the sequence-parallel
+        # layout when no learned position embedding is added after it (LanguageModelEmbedding.
+        # reduce_scatter_embeddings); otherwise it all-reduces, adds positions, then scatters (no communication).
+        if sp and _g(cfg, "position_embedding_type", "learned_absolute") != "learned_absolute":
+            add("tp", "reduce-scatter", "word embedding output", "tp", full_act, pdt, 1, first, "fwd")
+        else:
+            add("tp", "all-reduce", "word embedding output", "tp", (b, s, h), pdt, 1, first, "fwd")
         if sp:
             add("tp", "all-gather", "embedding grad (sequence scatter backward)", "tp", full_act, pdt, 1, first,
                 "bwd")
@@ -327,18 +333,18 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         act = (s // t if sp else s, b, h)
         act_bytes = _shape_bytes(pdt, act)
         # Interleaving: each of the vpp chunks sends once per microbatch, except the model's last chunk (fwd)
-        # and first chunk (bwd).
+        # and first chunk (bwd). Both counts are multiples of m.
         for p in range(pp):
             fwd_sends = m * vpp - (m if p == pp - 1 else 0)
             fwd_recvs = m * vpp - (m if p == 0 else 0)
             ranks, groups, size = member("pp", p)
             for (send, recv, phase), n_send, n_recv in zip(_PP_ROWS, (fwd_sends, fwd_recvs), (fwd_recvs, fwd_sends)):
                 if n_send:
-                    rows.append(Collective("pp", "send-recv", send, "pp", size, groups, ranks, act, pdt, act_bytes, 0,
-                                           n_send, phase, vpp > 1, "send"))
+                    rows.append(Collective("pp", "send-recv", send, "pp", size, groups, ranks, act, pdt, act_bytes,
+                                           n_send // m, n_send, phase, vpp > 1, "send"))
                 if n_recv:
-                    rows.append(Collective("pp", "send-recv", recv, "pp", size, groups, ranks, act, pdt, act_bytes, 0,
-                                           n_recv, phase, vpp > 1, "recv"))
+                    rows.append(Collective("pp", "send-recv", recv, "pp", size, groups, ranks, act, pdt, act_bytes,
+                                           n_recv // m, n_recv, phase, vpp > 1, "recv"))
         if tied:
             v = _g(cfg, "padded_vocab_size") or _g(cfg, "vocab_size")
             add("embedding", "all-reduce", "tied word-embedding grad (first and last stage)", "embedding",

@@ -66,6 +66,10 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
     if hf.get("head_dim"):
         fields["kv_channels"] = hf["head_dim"]
+    if hf.get("rope_theta"):
+        fields["rotary_base"] = int(hf["rope_theta"])   # Megatron's --rotary-base is an int
+    if hf.get("rms_norm_eps"):
+        fields["norm_epsilon"] = float(hf["rms_norm_eps"])
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     if experts:
         fields["num_experts"] = experts

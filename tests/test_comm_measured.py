@@ -121,7 +121,8 @@ def _worker(case: dict, out: str):
     padded_vocab = case["padded_vocab_size"]
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
                      max_sequence_length=m["max_position_embeddings"], pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
+                     position_embedding_type=case["position_embedding_type"])
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=case["use_distributed_optimizer"],
                                                overlap_grad_reduce=False, grad_reduce_in_fp32=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -196,7 +197,7 @@ def _run_case(case: dict, tmp_path: Path) -> list:
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
 
-def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2):
+def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False):
     from estimator.args import parse_args
 
     argv = [f"--nproc_per_node={tp * pp * dp}", f"--tensor-model-parallel-size={tp}",
@@ -204,11 +205,11 @@ def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2):
             f"--global-batch-size={MODEL['micro_batch_size'] * dp * microbatches}"]
     argv += [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     argv += ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * dist_opt
-    argv += ["--hidden-dropout=0", "--attention-dropout=0"]
+    argv += ["--hidden-dropout=0", "--attention-dropout=0"] + ["--position-embedding-type=rope"] * rope
     cfg = parse_args(argv)
     case = {k: getattr(cfg, k) for k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "sequence_parallel", "use_distributed_optimizer", "num_microbatches",
-                                         "padded_vocab_size")}
+                                         "padded_vocab_size", "position_embedding_type")}
     return cfg, case
 
 
@@ -234,6 +235,7 @@ def _predicted_counter(report, rank):
 CASES = {
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sp=True),
+    "tp2_sp_rope": dict(tp=2, sp=True, rope=True),   # the embedding reduce-scatters (no position embedding)
     "pp2": dict(pp=2, microbatches=3),
     "dp2_distopt": dict(dp=2, dist_opt=True),
     "dp2": dict(dp=2),
