@@ -1,22 +1,14 @@
 #!/usr/bin/env python3
-"""Drop-in for `pretrain_gpt.py` in a Megatron-LM launch script: prints memory and communication estimates.
+"""`get-training-info` from a checkout, without installing: `python get_training_info.py <torchrun line>`.
 
-    sed 's%torchrun $DISTRIBUTED_ARGS pretrain_gpt.py%python get_training_info.py $DISTRIBUTED_ARGS%' run.sh > est.sh
+The installed command is estimator.cli:console_main; README section 1 has the launch-script workflow.
 """
 import gc
-import os
-import sys
 
 if __name__ == "__main__":
     # A one-shot run: cyclic garbage collection passes and the interpreter's teardown of every module and object
     # are pure overhead here (about a fifth of the wall time on a 2-core machine, benchmarks/estimator_speed.py).
     gc.disable()
-    from estimator.cli import main
+    from estimator.cli import console_main
 
-    rc = main(sys.argv[1:])
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BrokenPipeError:  # the reader went away (e.g. `| head`): nothing left to report
-        pass
-    os._exit(rc)
+    console_main()

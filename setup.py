@@ -29,5 +29,7 @@ setup(
         "profile": ["torch>=2.1,<3", "megatron-core>=0.9,<1", "matplotlib>=3.5"],
         "fit": ["scipy>=1.7"],
     },
-    entry_points={"console_scripts": ["get-training-info=get_training_info:main"]},
+    # Drop-ins for the word `torchrun` in a launch script (README section 1): estimate, and profile under torchrun.
+    entry_points={"console_scripts": ["get-training-info=estimator.cli:console_main",
+                                      "profile-training-info=tracer.launch:main"]},
 )

@@ -15,22 +15,37 @@ from estimator import memory as MEM
 from estimator import model as MODEL
 from estimator import parallel as PAR
 from estimator import report as R
+from estimator import torchrun as TR
+from estimator import verdict as V
 from estimator.args import ConfigError, TrainingConfig, parse_args
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
-USAGE = """usage: get_training_info.py [torchrun flags] [Megatron-LM flags] [--preset NAME] [--hf-config config.json]
-                            [--formulas NAME|FILE] [--json] [--help]
+USAGE = """usage: get-training-info [torchrun flags] [TRAINING_SCRIPT] [Megatron-LM flags] [options]
 
-Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the same flags as
-`torchrun ... pretrain_gpt.py` (torchrun's --nproc_per_node/--nnodes give the world size); flags that do not
-change memory or communication are accepted and listed once as ignored.
+Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the command line that follows
+`torchrun` (or `python -m torch.distributed.run`) in a launch script: torchrun's flags (--nproc_per_node x
+--nnodes give the world size), the training script (not run, not read), its Megatron-LM flags. Flags that do not
+change memory or communication are accepted and listed once as ignored. Options may also come from the
+environment variable MEMTRACE_ARGS (e.g. MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh).
 
-  --preset NAME        prepend a bundled model preset's flags (your flags after it win): {presets}
-  --hf-config FILE     take the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral, Qwen2, GPT-2)
-  --formulas NAME|FILE activation formula set: a shipped name ({sets}) or a formula-set JSON file
-  --json               print the estimate as JSON (bytes) instead of the text report
+  --gpu-memory GIB|NAME   verdict per pipeline stage: fits with N GiB headroom / does not fit by N GiB
+                          (NAME: {gpus})
+  --exit-code             with --gpu-memory: exit 1 when some stage does not fit (0 when all fit; 2 bad input)
+  --cuda-context-gib X    allowance for the CUDA context per GPU (default {ctx:g})
+  --nccl-gib-per-communicator X   allowance per NCCL communicator (default {nccl:g})
+  --fragmentation-percent X       caching-allocator fragmentation, % of the peak (default {frag:g})
+  --detail N              0 summary only; 1 (default) + memory by category, per-rank table, communication per
+                          dimension; 2 + model tree, every collective, process groups; 3 + every stage's tree
+  --png FILE              each pipeline stage's predicted memory over the schedule, by category (matplotlib)
+  --preset NAME           prepend a bundled model preset's flags (your flags after it win): {presets}
+  --hf-config FILE        take the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral, Qwen2,
+                          GPT-2)
+  --formulas NAME|FILE    activation formula set: a shipped name ({sets}) or a formula-set JSON file
+  --json                  print the estimate as JSON (bytes) instead of the text report
 """
+
+ENV_ARGS = "MEMTRACE_ARGS"
 
 
 @dataclass
@@ -42,6 +57,7 @@ class Report:
     layout: PAR.ParallelLayout
     comm: C.CommReport
     _rank_params: Optional[list] = None
+    budget: Optional[V.Budget] = None   # allowances and, with --gpu-memory, the verdict (estimator.verdict)
 
     @property
     def rank_params(self) -> list:
@@ -76,33 +92,62 @@ def _preset_flags(name: str) -> list[str]:
     return list(flags)
 
 
+# This tool's own options: name -> (key, kind). Kinds: flag (no value), str, int, float, preset.
+OWN_OPTIONS = {
+    "--json": ("json", "flag"), "--exit-code": ("exit_code", "flag"),
+    "--formulas": ("formulas", "str"), "--preset": ("preset", "preset"), "--png": ("png", "str"),
+    "--gpu-memory": ("gpu_memory", "str"), "--detail": ("detail", "int"),
+    "--cuda-context-gib": ("cuda_context_gib", "float"),
+    "--nccl-gib-per-communicator": ("nccl_gib_per_communicator", "float"),
+    "--fragmentation-percent": ("fragmentation_percent", "float"),
+}
+
+
 def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
-    """Take this tool's own options out; everything else is a Megatron/torchrun flag."""
-    own = {"json": False, "formulas": None, "help": False}
+    """Take this tool's own options out; everything else is the torchrun line. A torchrun line with a training
+    script (`--nproc_per_node 8 pretrain_gpt.py --num-layers ...`) becomes the world flags plus the script's
+    flags; preset flags go first, so the user's flags after them win."""
+    own = {"json": False, "exit_code": False, "formulas": None, "help": False, "png": None, "gpu_memory": None,
+           "detail": 1, "cuda_context_gib": None, "nccl_gib_per_communicator": None, "fragmentation_percent": None}
     rest: list[str] = []
     preset_flags: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
-        key, eq, val = a.partition("=")
+        name, eq, val = a.partition("=")
+        spec = OWN_OPTIONS.get(name)
         if a in ("-h", "--help"):
             own["help"] = True
-        elif a == "--json":
-            own["json"] = True
-        elif key in ("--formulas", "--preset"):
+        elif spec is None or (spec[1] == "flag" and eq):
+            rest.append(a)
+        elif spec[1] == "flag":
+            own[spec[0]] = True
+        else:
             if not eq:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise UsageError(f"{key} needs a value")
+                    raise UsageError(f"{name} needs a value")
                 i += 1
                 val = argv[i]
-            if key == "--formulas":
-                own["formulas"] = val
-            else:
+            if spec[1] == "preset":
                 preset_flags += _preset_flags(val)
-        else:
-            rest.append(a)
+            elif spec[1] == "str":
+                own[spec[0]] = val
+            else:
+                try:
+                    num = int(val) if spec[1] == "int" else float(val)
+                except ValueError:
+                    raise UsageError(f"{name}: expected a{'n integer' if spec[1] == 'int' else ' number'}, "
+                                     f"got '{val}'") from None
+                if not num >= 0 or num == float("inf"):
+                    raise UsageError(f"{name}: must be a finite number >= 0, got '{val}'")
+                own[spec[0]] = num
         i += 1
-    return preset_flags + rest, own
+    if own["exit_code"] and own["gpu_memory"] is None:
+        raise UsageError("--exit-code needs --gpu-memory (what would fit?)")
+    if own["detail"] > 3:
+        raise UsageError(f"--detail: 0, 1, 2 or 3, got {own['detail']}")
+    line = TR.split(rest)
+    return preset_flags + line.world_flags() + line.script_args, own
 
 
 def _merged_stage_params(cfg: TrainingConfig) -> list:
@@ -124,7 +169,10 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
     layout = PAR.layout_from_config(cfg)
     comm = C.communication(cfg, layout, chunks)
-    return Report(cfg, fset, est, layout, comm)
+    report = Report(cfg, fset, est, layout, comm)
+    gpu = V.parse_gpu(own["gpu_memory"]) if own["gpu_memory"] is not None else None
+    report.budget = V.budget(report, gpu, **{k: own[k] for k in V.DEFAULTS})
+    return report
 
 
 def dumps_indent1(obj) -> str:
@@ -208,15 +256,32 @@ def dumps_indent1(obj) -> str:
     return "".join(out)
 
 
+def _with_env_options(argv: list[str]) -> list[str]:
+    """Options from $MEMTRACE_ARGS go after the command line's: a launch script need not forward "$@"."""
+    import shlex
+    extra = os.environ.get(ENV_ARGS, "")
+    try:
+        return argv + shlex.split(extra)
+    except ValueError as exc:
+        raise UsageError(f"{ENV_ARGS}: {exc}") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        argv = _with_env_options(argv)
         _, own = split_own_options(argv)
         if own["help"]:
-            print(USAGE.format(presets=", ".join(presets()) or "none", sets=", ".join(F.shipped_sets())))
+            print(USAGE.format(presets=", ".join(presets()) or "none", sets=", ".join(F.shipped_sets()),
+                               gpus=", ".join(V.GPUS), ctx=V.DEFAULTS["cuda_context_gib"],
+                               nccl=V.DEFAULTS["nccl_gib_per_communicator"],
+                               frag=V.DEFAULTS["fragmentation_percent"]))
             return 0
         report = build_report(argv)
-    except (ConfigError, F.FormulaError, PAR.ParallelConfigError) as exc:
+        if own["png"]:
+            from estimator import plot
+            plot.save(report, own["png"])
+    except (ConfigError, F.FormulaError, PAR.ParallelConfigError, V.GPUMemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -226,5 +291,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.write(dumps_indent1(R.to_json(report)))
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(R.to_text(report))
+        sys.stdout.write(R.to_text(report, detail=own["detail"]))
+    if own["exit_code"] and report.budget.fits is False:
+        return 1
     return 0
+
+
+def console_main() -> None:
+    """Entry point of the installed `get-training-info` command (and of get_training_info.py)."""
+    import gc
+    gc.disable()   # a one-shot run: garbage collection passes and the teardown below are pure overhead
+    rc = 0
+    try:
+        rc = main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): nothing left to report
+        pass
+    os._exit(rc)   # skips the interpreter's teardown of every module and object

@@ -95,6 +95,21 @@ def _tree_key(param_ops: list[str]):
 
 # --- text -------------------------------------------------------------------------------------------------------
 
+def _vocab(cfg) -> str:
+    """The tokenizer's vocabulary as Megatron sizes it (GPT-2 BPE without --vocab-size; the null tokenizer's EOD)."""
+    if cfg.vocab_size is None:
+        return f"{cfg.padded_vocab_size}" if cfg.tokenizer_type != "GPT2BPETokenizer" else "50257 (GPT-2 BPE)"
+    if cfg.tokenizer_type in ("NullTokenizer", "NullMultimodalTokenizer"):
+        return f"{cfg.vocab_size} + EOD"
+    return str(cfg.vocab_size)
+
+
+def _biases(cfg) -> str:
+    if cfg.add_bias_linear:
+        return "linear biases"
+    return "QKV bias only" if getattr(cfg, "add_qkv_bias", False) else "no linear biases"
+
+
 def _describe(cfg) -> list[str]:
     moe = ""
     if cfg.is_moe:
@@ -109,9 +124,9 @@ def _describe(cfg) -> list[str]:
     return [
         f"Model        {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, "
         f"heads {cfg.num_attention_heads} (query groups {cfg.num_query_groups}, head dim {cfg.kv_channels}), "
-        f"seq {cfg.seq_length}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab_size})",
+        f"seq {cfg.seq_length}, vocab {_vocab(cfg)} (padded {cfg.padded_vocab_size})",
         f"             {'swiglu' if cfg.swiglu else 'gelu'}, {cfg.normalization}, {cfg.position_embedding_type} "
-        f"positions, {'no ' if not cfg.add_bias_linear else ''}linear biases, "
+        f"positions, {_biases(cfg)}, "
         f"{'untied' if cfg.untie_embeddings_and_output_weights else 'tied'} embeddings{moe}",
         f"Parallelism  world {cfg.world_size} = TP {cfg.tensor_model_parallel_size} x CP "
         f"{cfg.context_parallel_size} x PP {cfg.pipeline_model_parallel_size} x DP {cfg.data_parallel_size}"
@@ -164,7 +179,7 @@ def _text_rank_table(report) -> list[str]:
                          "in flight", "peak phase"], right={2, 3, 4, 5, 6, 7, 8, 9})
 
 
-def _text_comm(report) -> list[str]:
+def _text_comm(report, detail: bool = True) -> list[str]:
     colls = report.comm.collectives
     if not colls:
         return ["(no communication: a single GPU)"]
@@ -175,13 +190,15 @@ def _text_comm(report) -> list[str]:
     lines = ["Summary per dimension"]
     lines += ["  " + s for s in _table(rows, ["dim", "collectives", "calls/iter", "wire MiB/rank/iter",
                                               "cluster GiB/iter", "source"], right={2, 3, 4})]
+    if not detail:
+        return lines
     rows = []
     for c in _merge_equal_rows(colls):
         shape = "x".join(str(d) for d in c.shape)
         ranks = c.ranks
         who = _rank_list([report.layout.ranks[r] for r in ranks])
         rows.append([c.dim, c.op + (f" ({c.direction})" if c.direction else ""), c.what, c.phase,
-                     f"{c.group} ({c.group_size})", f"{shape} {c.dtype}", mib(c.bytes), str(c.per_microbatch),
+                     f"{c.group} ({c.group_size})", f"{shape} {c.dtype}", mib(c.bytes), str(c.per_microbatch) if c.per_microbatch else "-",
                      str(c.per_iteration), mib(c.wire_bytes_per_iteration), gib(c.cluster_bytes_per_iteration),
                      who + (" *" if c.modelled else "")])
     lines += ["", "Detail (one row per collective and rank class; * = modelled, not checked against a measured run)"]
@@ -253,38 +270,108 @@ def _coverage_lines(cov) -> list[str]:
     return out
 
 
-def to_text(report) -> str:
-    cfg, est = report.cfg, report.estimate
+def _section_config(report) -> list[str]:
+    return _describe(report.cfg)
+
+
+def _section_formulas(report) -> list[str]:
     modelled = report.formula_set.kind == "modelled"
-    out = ["megatron-memtrace estimate",
-           f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
-           + (" -- activations are MODELLED from published analysis, not measured" if modelled else
-              " -- fitted from measured traces"),
-           *_fallback_lines(report.estimate.fallbacks),
-           *_coverage_lines(report.estimate.coverage),
-           ""]
-    out += _describe(cfg)
-    out += ["", f"Model tree, pipeline stage {est.max_peak_pp_rank} (one TP/EP rank; activation bytes per "
-                f"microbatch summed over its layers)"]
-    out += ["  " + s for s in _text_model_tree(report, est.max_peak_pp_rank)]
+    return [f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
+            + (" -- activations are MODELLED from published analysis, not measured" if modelled else
+               " -- fitted from measured traces"),
+            *_fallback_lines(report.estimate.fallbacks),
+            *_coverage_lines(report.estimate.coverage)]
+
+
+def _model_tree_section(report, stage: int) -> list[str]:
     from estimator.model import model_total_params
-    worst_params = report.rank_params[est.max_peak_pp_rank].total
-    out += [f"  model parameters (unsharded, tied weights once): {human_count(model_total_params(cfg))}; "
-            f"on one GPU of this stage: {human_count(worst_params)}", ""]
-    out += _text_memory(report)
+    out = [f"Model tree, pipeline stage {stage} (one TP/EP rank; activation bytes per microbatch summed over its "
+           f"layers)"]
+    out += ["  " + s for s in _text_model_tree(report, stage)]
+    out += [f"  model parameters (unsharded, tied weights once): {human_count(model_total_params(report.cfg))}; "
+            f"on one GPU of this stage: {human_count(report.rank_params[stage].total)}"]
+    return out
+
+
+def _section_model_tree(report) -> list[str]:
+    return _model_tree_section(report, report.estimate.max_peak_pp_rank)
+
+
+def _section_all_trees(report) -> list[str]:
+    out: list = []
+    for r in report.estimate.ranks:
+        if r.pp_rank != report.estimate.max_peak_pp_rank:
+            out += ([""] if out else []) + _model_tree_section(report, r.pp_rank)
+    return out
+
+
+def _section_ranks(report) -> list[str]:
+    est = report.estimate
+    out = _text_memory(report)
     out += ["", f"Per-rank table ({est.schedule} schedule; every GPU of a pipeline stage holds the same shapes; "
                 f"GiB)"]
     out += ["  " + s for s in _text_rank_table(report)]
-    out += ["", f"Maximum peak: {gib(est.max_peak_bytes)} GiB on pipeline stage {est.max_peak_pp_rank}", ""]
-    out += ["Communication per iteration (bytes on the wire per rank use ring factors: all-reduce 2(n-1)/n, "
-            "all-gather / reduce-scatter (n-1)/n)"]
-    out += ["  " + s for s in _text_comm(report)]
-    out += ["", "Process groups (megatron-core rank order " + report.layout.order + "; n<node>_g<gpu>)"]
-    out += _text_groups(report)
-    for w in getattr(cfg, "warnings", []) or []:
-        out.append(f"warning: {w}")
+    out += ["", f"Maximum peak: {gib(est.max_peak_bytes)} GiB on pipeline stage {est.max_peak_pp_rank}"]
+    return out
+
+
+_RING_NOTE = ("Communication per iteration (bytes on the wire per rank use ring factors: all-reduce 2(n-1)/n, "
+              "all-gather / reduce-scatter (n-1)/n)")
+
+
+def _section_comm_summary(report) -> list[str]:
+    return [_RING_NOTE] + ["  " + s for s in _text_comm(report, detail=False)]
+
+
+def _section_comm_detail(report) -> list[str]:
+    return [_RING_NOTE] + ["  " + s for s in _text_comm(report, detail=True)]
+
+
+def _section_groups(report) -> list[str]:
+    return ["Process groups (megatron-core rank order " + report.layout.order + "; n<node>_g<gpu>)"] + \
+        _text_groups(report)
+
+
+def _section_notes(report) -> list[str]:
+    cfg = report.cfg
+    out = [f"warning: {w}" for w in getattr(cfg, "warnings", []) or []]
     if cfg.ignored_args:
-        out += ["", "Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)]
+        out += ["Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)]
+    return out
+
+
+def _section_summary(report) -> list[str]:
+    from estimator import summary
+    return summary.summary_lines(report, _budget(report))
+
+
+# The text report, in order: (lowest --detail that shows it, renderer). A new section is one more entry.
+SECTIONS = [
+    (0, _section_summary),
+    (1, _section_config),
+    (1, _section_formulas),
+    (2, _section_model_tree),
+    (3, _section_all_trees),
+    (1, _section_ranks),
+    (1, _section_comm_summary),
+    (2, _section_comm_detail),
+    (2, _section_groups),
+    (1, _section_notes),
+]
+
+
+def to_text(report, detail: int = 1) -> str:
+    """Summary first (at most 100 columns), then the sections up to `detail`; the level-1 communication summary
+    is replaced by the full tables at level 2."""
+    out: list = []
+    for level, render in SECTIONS:
+        if level > detail or (render is _section_comm_summary and detail >= 2):
+            continue
+        lines = render(report)
+        if lines:
+            out += ([""] if out else []) + lines
+    if detail < 2:
+        out += ["", "(--detail 2: model tree, every collective, process groups; --json: every number)"]
     return "\n".join(out) + "\n"
 
 
@@ -331,4 +418,10 @@ def to_json(report) -> dict:
         "stages": stages,
         "groups": {k: [list(g) for g in v] for k, v in layout.groups.items()},
         "communication": report.comm.to_dict(),
+        "memory_budget": _budget(report).to_dict(),
     }
+
+
+def _budget(report):
+    from estimator import verdict
+    return report.budget or verdict.budget(report)

@@ -1,6 +1,7 @@
 #!/bin/bash
 # A Megatron-LM launch script for Llama-2 7B on 2 nodes x 8 GPUs (TP=2, PP=2, DP=4), as people write them.
-# examples/estimate_llama2_7b.sh is this file after the README's sed line (the torchrun line becomes the estimator).
+# examples/estimate_llama2_7b.sh and profile_llama2_7b.sh are this file after the README's sed lines (only the
+# launcher word changes). Extra flags on the command line are passed on ("$@").
 
 GPUS_PER_NODE=8
 NNODES=2
@@ -70,10 +71,11 @@ OUTPUT_ARGS="
     --eval-iters 10
 "
 
-python get_training_info.py $DISTRIBUTED_ARGS \
+get-training-info $DISTRIBUTED_ARGS pretrain_gpt.py \
     $GPT_ARGS \
     $PARALLEL_ARGS \
     $DATA_ARGS \
     $OUTPUT_ARGS \
     --save $CHECKPOINT_PATH \
-    --load $CHECKPOINT_PATH
+    --load $CHECKPOINT_PATH \
+    "$@"

@@ -38,13 +38,14 @@ def _megatron_error(**kwargs) -> str:
 
 
 def test_example_launch_script_parses():
-    # Run the bundled sed-replaced launch script with `python` captured, i.e. exactly the argv a user passes.
+    # Run the bundled sed-replaced launch script with the command captured, i.e. exactly the argv a user passes.
+    from estimator.cli import split_own_options
     script = REPO / "examples" / "estimate_llama2_7b.sh"
-    captured = subprocess.run(["bash", "-c", 'python() { printf "%s\\0" "$@"; }; source "$0"', str(script)],
-                              capture_output=True, check=True, cwd=REPO).stdout.decode()
+    captured = subprocess.run(["bash", "-c", 'get-training-info() { printf "%s\\0" "$@"; }; source "$0"',
+                               str(script)], capture_output=True, check=True, cwd=REPO).stdout.decode()
     argv = captured.split("\0")[:-1]
-    assert argv[0] == "get_training_info.py"
-    cfg = parse_args(argv[1:])
+    assert argv[:2] == ["--nproc_per_node", "8"] and argv[10] == "pretrain_gpt.py"   # a torchrun line
+    cfg = parse_args(split_own_options(argv)[0])
     assert cfg.world_size == cfg.nproc_per_node * cfg.nnodes == 16
     assert cfg.data_parallel_size == cfg.world_size // (cfg.tensor_model_parallel_size
                                                         * cfg.pipeline_model_parallel_size)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SED = "s%torchrun $DISTRIBUTED_ARGS pretrain_gpt.py%python get_training_info.py $DISTRIBUTED_ARGS%"
+from test_sed_workflow import SED_ESTIMATE, SED_PROFILE  # noqa: E402  (the README's lines)
 SMALL = ("--nproc_per_node 4 --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
          "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 --vocab-size 1000 "
          "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2")
@@ -20,22 +20,25 @@ def run_cli(args, **kw):
                           text=True, **kw)
 
 
-def test_sed_twin_is_exactly_the_sed_output():
+@pytest.mark.parametrize("sed, twin", [(SED_ESTIMATE, "estimate_llama2_7b.sh"),
+                                       (SED_PROFILE, "profile_llama2_7b.sh")])
+def test_sed_twins_are_exactly_the_sed_output(sed, twin):
     src = os.path.join(ROOT, "examples", "pretrain_llama2_7b.sh")
-    twin = os.path.join(ROOT, "examples", "estimate_llama2_7b.sh")
-    made = subprocess.run(["sed", SED, src], capture_output=True, text=True, check=True).stdout
-    assert made == open(twin).read()
-    assert "torchrun" not in made.splitlines()[-7]  # the launch line really changed
+    made = subprocess.run(shlex.split(sed) + [src], capture_output=True, text=True, check=True).stdout
+    assert made == open(os.path.join(ROOT, "examples", twin)).read()
+    assert made.splitlines()[-8].startswith(("get-training-info ", "profile-training-info "))  # the launch line
 
 
 def test_example_script_runs_and_reports_every_section():
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    res = subprocess.run(["bash", "examples/estimate_llama2_7b.sh"], cwd=ROOT, capture_output=True, text=True,
-                         env=env)
+    env.pop("MEMTRACE_ARGS", None)
+    # Extra arguments reach the estimator through the script's "$@".
+    res = subprocess.run(["bash", "examples/estimate_llama2_7b.sh", "--detail", "2"], cwd=ROOT,
+                         capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    for section in ("Model tree", "Per-GPU memory demand", "Per-rank table", "Communication per iteration",
-                    "Process groups", "Ignored"):
+    for section in ("Verdict", "Peak per pipeline stage", "Model tree", "Per-GPU memory demand", "Per-rank table",
+                    "Communication per iteration", "Detail (one row per collective", "Process groups", "Ignored"):
         assert section in out, section
     assert "MODELLED" in out  # the shipped set is modelled and must say so
     # The world of the script: 2 nodes x 8 GPUs; names of the last node appear in the groups.

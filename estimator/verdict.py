@@ -1,0 +1,142 @@
+"""Fits or not: each pipeline stage's predicted peak plus what PyTorch's allocator does not see, against a GPU.
+
+The estimate proper is what torch's allocator allocates (`allocated_bytes.all.peak`). A GPU also holds memory no
+PyTorch allocator reports, and the caching allocator reserves more than it hands out. Those are *modelled
+allowances*, each shown and each overridable:
+- CUDA context: 0.5 GiB per process (published 0.3-0.5 GB with CUDA 12's lazy module loading, DESIGN.md 9);
+- NCCL: 0.5 GiB per communicator the rank uses (about 0.5 GB per communicator, Fujii et al. 2411.06465), one
+  communicator per process-group kind its collectives run in, plus the world group Megatron initialises with;
+- fragmentation: 5% of the allocated peak (the caching allocator's reserved minus allocated at the peak).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from estimator._record import dataclass, field
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+# memory.total as nvidia-smi reports it (MiB), per GPU model; one name per line of the usual spellings.
+GPUS = {
+    "H100-80GB": 81559, "H100": 81559, "H100-SXM": 81559, "H100-PCIE": 81559,
+    "H100-NVL": 95830, "H100-94GB": 95830,
+    "H200": 143771, "H200-141GB": 143771,
+    "A100-40GB": 40960, "A100-80GB": 81920,
+    "B200": 183359,
+    "V100-16GB": 16384, "V100-32GB": 32768,
+    "L40S": 46068,
+}
+
+DEFAULTS = {"cuda_context_gib": 0.5, "nccl_gib_per_communicator": 0.5, "fragmentation_percent": 5.0}
+
+
+class GPUMemoryError(ValueError):
+    pass
+
+
+@dataclass
+class GPU:
+    name: str
+    bytes: int
+
+
+def parse_gpu(text: str) -> GPU:
+    """`80`, `79.5` (GiB) or a GPU name (case-insensitive, `H100-80GB`, `h200`, ...)."""
+    try:
+        gib = float(text)
+    except ValueError:
+        key = text.upper().replace("_", "-")
+        mib = GPUS.get(key)
+        if mib is None:
+            raise GPUMemoryError(f"--gpu-memory: '{text}' is neither a number of GiB nor a known GPU "
+                                 f"({', '.join(GPUS)})") from None
+        return GPU(key, mib * (1 << 20))
+    if not gib > 0 or gib == float("inf"):
+        raise GPUMemoryError(f"--gpu-memory: must be a positive number of GiB, got {text}")
+    return GPU(f"{gib:g} GiB", int(gib * GiB))
+
+
+@dataclass
+class StageBudget:
+    pp_rank: int
+    allocated: float            # the estimate: PyTorch allocator's peak
+    cuda_context: float
+    nccl: float
+    nccl_communicators: list    # group kinds
+    fragmentation: float
+    total: float = 0.0
+    headroom: Optional[float] = None   # GPU bytes minus total; None without a GPU
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.headroom is None else self.headroom >= 0
+
+    def to_dict(self) -> dict:
+        d = {"pp_rank": self.pp_rank, "allocated_peak_bytes": int(round(self.allocated)),
+             "cuda_context_bytes": int(round(self.cuda_context)), "nccl_bytes": int(round(self.nccl)),
+             "nccl_communicators": list(self.nccl_communicators),
+             "fragmentation_bytes": int(round(self.fragmentation)), "total_bytes": int(round(self.total))}
+        if self.headroom is not None:
+            d.update(headroom_bytes=int(round(self.headroom)), fits=self.fits)
+        return d
+
+
+@dataclass
+class Budget:
+    stages: list
+    gpu: Optional[GPU] = None
+    allowances: dict = field(default_factory=dict)
+
+    @property
+    def worst(self) -> StageBudget:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.gpu is None else all(s.fits for s in self.stages)
+
+    def to_dict(self) -> dict:
+        d = {"allowances": dict(self.allowances, modelled=True), "stages": [s.to_dict() for s in self.stages],
+             "max_total_bytes": int(round(self.worst.total)), "worst_pp_rank": self.worst.pp_rank}
+        if self.gpu is not None:
+            d.update(gpu={"name": self.gpu.name, "bytes": self.gpu.bytes}, fits=self.fits,
+                     min_headroom_bytes=int(round(min(s.headroom for s in self.stages))))
+        return d
+
+
+def _stage_communicators(report) -> dict:
+    """pp stage -> sorted group kinds its ranks communicate in (communication rows with a group of 2 or more)."""
+    layout = report.layout
+    pp = report.cfg.pipeline_model_parallel_size
+    # One rank per stage (the first pp group holds one of each): a row is a rank class, all of a stage or none.
+    reps = dict(enumerate(layout.groups["pp"][0]))
+    kinds: dict = {p: set() for p in range(pp)}
+    for c in report.comm.collectives:
+        if c.group_size < 2:
+            continue
+        ranks = c.ranks   # sorted (estimator.comm builds every row from sorted stage ranks)
+        for p, r in reps.items():
+            i = bisect_left(ranks, r)
+            if i < len(ranks) and ranks[i] == r:
+                kinds[p].add(c.group)
+    world = layout.world_size > 1
+    return {p: sorted(k | ({"world"} if world else set())) for p, k in kinds.items()}
+
+
+def budget(report, gpu: Optional[GPU] = None, **overrides) -> Budget:
+    """Per stage: allocated peak + CUDA context + NCCL + fragmentation, and the headroom on `gpu`."""
+    allow = dict(DEFAULTS)
+    allow.update({k: v for k, v in overrides.items() if v is not None})
+    comms = _stage_communicators(report)
+    stages = []
+    for r in report.estimate.ranks:
+        kinds = comms.get(r.pp_rank, [])
+        sb = StageBudget(r.pp_rank, r.peak_bytes, allow["cuda_context_gib"] * GiB,
+                         len(kinds) * allow["nccl_gib_per_communicator"] * GiB, kinds,
+                         r.peak_bytes * allow["fragmentation_percent"] / 100.0)
+        sb.total = sb.allocated + sb.cuda_context + sb.nccl + sb.fragmentation
+        if gpu is not None:
+            sb.headroom = gpu.bytes - sb.total
+        stages.append(sb)
+    return Budget(stages, gpu, allow)
