@@ -280,7 +280,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         report = build_report(argv)
         if own["png"]:
             from estimator import plot
-            plot.save(report, own["png"])
+            try:
+                plot.save(report, own["png"])
+            except plot.PlotError as exc:
+                raise UsageError(str(exc)) from None
     except (ConfigError, F.FormulaError, PAR.ParallelConfigError, V.GPUMemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
