@@ -166,7 +166,7 @@ def _text_memory(report) -> list[str]:
 
 def _rank_list(ranks: list) -> str:
     names = [rc.name for rc in ranks]
-    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)} GPUs)"
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({len(names)} GPUs)"
 
 
 def _text_rank_table(report) -> list[str]:
@@ -185,7 +185,7 @@ def _text_comm(report, detail: bool = True) -> list[str]:
         return ["(no communication: a single GPU)"]
     summary = report.comm.summary()
     rows = [[dim, ", ".join(d["ops"]), f"{d['calls_per_iteration']:,}", mib(d["max_rank_bytes_per_iteration"]),
-             gib(d["cluster_bytes_per_iteration"]), "modelled" if d["modelled"] else "checked vs megatron-core"]
+             gib(d["cluster_bytes_per_iteration"]), "modelled" if d["modelled"] else "checked"]
             for dim, d in summary.items()]
     lines = ["Summary per dimension"]
     lines += ["  " + s for s in _table(rows, ["dim", "collectives", "calls/iter", "wire MiB/rank/iter",
@@ -270,17 +270,46 @@ def _coverage_lines(cov) -> list[str]:
     return out
 
 
+PROSE_WIDTH = 100
+
+
+def _wrap(lines: list[str], width: int = PROSE_WIDTH) -> list[str]:
+    """Prose lines wrapped at spaces to `width`; continuation lines are indented under the text that follows a
+    leading label padded with two or more spaces ("Model        ..."), else by two more spaces."""
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        gap = line.find("  ", len(line) - len(line.lstrip(" ")))
+        if 0 < gap < 16:
+            start = len(line) - len(line[gap:].lstrip(" "))
+        else:
+            start = len(line) - len(line.lstrip(" "))
+            gap = -1
+        head, words = line[:start], line[start:].split(" ")
+        cont = " " * (start if gap > 0 else start + 2)
+        cur = head
+        for word in words:
+            if len(cur) > len(cont) and len(cur) + 1 + len(word) > width:
+                out.append(cur.rstrip())
+                cur = cont
+            cur += word if cur in (head, cont) else " " + word
+        out.append(cur.rstrip())
+    return out
+
+
 def _section_config(report) -> list[str]:
-    return _describe(report.cfg)
+    return _wrap(_describe(report.cfg))
 
 
 def _section_formulas(report) -> list[str]:
     modelled = report.formula_set.kind == "modelled"
-    return [f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
+    return _wrap([f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
             + (" -- activations are MODELLED from published analysis, not measured" if modelled else
                " -- fitted from measured traces"),
             *_fallback_lines(report.estimate.fallbacks),
-            *_coverage_lines(report.estimate.coverage)]
+            *_coverage_lines(report.estimate.coverage)])
 
 
 def _model_tree_section(report, stage: int) -> list[str]:
@@ -308,6 +337,7 @@ def _section_all_trees(report) -> list[str]:
 def _section_ranks(report) -> list[str]:
     est = report.estimate
     out = _text_memory(report)
+    out[0:1] = _wrap(out[0:1])
     out += ["", f"Per-rank table ({est.schedule} schedule; every GPU of a pipeline stage holds the same shapes; "
                 f"GiB)"]
     out += ["  " + s for s in _text_rank_table(report)]
@@ -315,16 +345,16 @@ def _section_ranks(report) -> list[str]:
     return out
 
 
-_RING_NOTE = ("Communication per iteration (bytes on the wire per rank use ring factors: all-reduce 2(n-1)/n, "
+_RING_NOTE = ("Communication per iteration (bytes on the wire per rank, ring factors: all-reduce 2(n-1)/n, "
               "all-gather / reduce-scatter (n-1)/n)")
 
 
 def _section_comm_summary(report) -> list[str]:
-    return [_RING_NOTE] + ["  " + s for s in _text_comm(report, detail=False)]
+    return _wrap([_RING_NOTE]) + ["  " + s for s in _text_comm(report, detail=False)]
 
 
 def _section_comm_detail(report) -> list[str]:
-    return [_RING_NOTE] + ["  " + s for s in _text_comm(report, detail=True)]
+    return _wrap([_RING_NOTE]) + ["  " + s for s in _text_comm(report, detail=True)]
 
 
 def _section_groups(report) -> list[str]:
@@ -337,7 +367,7 @@ def _section_notes(report) -> list[str]:
     out = [f"warning: {w}" for w in getattr(cfg, "warnings", []) or []]
     if cfg.ignored_args:
         out += ["Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)]
-    return out
+    return _wrap(out)
 
 
 def _section_summary(report) -> list[str]:
