@@ -400,7 +400,9 @@ def to_text(report, detail: int = 1) -> str:
         lines = render(report)
         if lines:
             out += ([""] if out else []) + lines
-    if detail < 2:
+    if detail == 0:
+        out += ["", "(--detail 1: categories, per-rank table, communication; 2: model tree, every collective)"]
+    elif detail == 1:
         out += ["", "(--detail 2: model tree, every collective, process groups; --json: every number)"]
     return "\n".join(out) + "\n"
 

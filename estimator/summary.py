@@ -128,8 +128,8 @@ def _formulas(report) -> list[str]:
     else:
         how = f"fitted from traces, {100 * share:.1f}% of saved activation bytes measured"
     n_fb = len({op for op, _ in report.estimate.fallbacks})
-    extra = f"; {n_fb} ops fall back to the modelled set" if n_fb else ""
-    return [_fit(f"Formulas  {fset.name}: {how}{extra}")]
+    items = [f"{fset.name}: {how}"] + ([f"{n_fb} ops fall back to the modelled set"] if n_fb else [])
+    return _wrap("Formulas  ", items)
 
 
 def summary_lines(report, budget) -> list[str]:
