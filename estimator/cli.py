@@ -30,7 +30,7 @@ change memory or communication are accepted and listed once as ignored. Options 
 environment variable MEMTRACE_ARGS (e.g. MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh).
 
   --gpu-memory GIB|NAME   verdict per pipeline stage: fits with N GiB headroom / does not fit by N GiB
-                          (NAME: {gpus})
+                          {gpus}
   --exit-code             with --gpu-memory: exit 1 when some stage does not fit (0 when all fit; 2 bad input)
   --cuda-context-gib X    allowance for the CUDA context per GPU (default {ctx:g})
   --nccl-gib-per-communicator X   allowance per NCCL communicator (default {nccl:g})
@@ -38,10 +38,12 @@ environment variable MEMTRACE_ARGS (e.g. MEMTRACE_ARGS="--gpu-memory H100-80GB -
   --detail N              0 summary only; 1 (default) + memory by category, per-rank table, communication per
                           dimension; 2 + model tree, every collective, process groups; 3 + every stage's tree
   --png FILE              each pipeline stage's predicted memory over the schedule, by category (matplotlib)
-  --preset NAME           prepend a bundled model preset's flags (your flags after it win): {presets}
+  --preset NAME           prepend a bundled model preset's flags (your flags after it win):
+                          {presets}
   --hf-config FILE        take the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral, Qwen2,
                           GPT-2)
-  --formulas NAME|FILE    activation formula set: a shipped name ({sets}) or a formula-set JSON file
+  --formulas NAME|FILE    activation formula set: a shipped name ({sets}) or a
+                          formula-set JSON file
   --json                  print the estimate as JSON (bytes) instead of the text report
 """
 
@@ -272,8 +274,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         argv = _with_env_options(argv)
         _, own = split_own_options(argv)
         if own["help"]:
-            print(USAGE.format(presets=", ".join(presets()) or "none", sets=", ".join(F.shipped_sets()),
-                               gpus=", ".join(V.GPUS), ctx=V.DEFAULTS["cuda_context_gib"],
+            import textwrap
+            fill = lambda items: textwrap.fill(", ".join(items), 74, subsequent_indent=" " * 26)  # noqa: E731
+            print(USAGE.format(presets=fill(presets()) or "none", sets=", ".join(F.shipped_sets()),
+                               gpus=fill(["NAME: " + next(iter(V.GPUS))] + list(V.GPUS)[1:]),
+                               ctx=V.DEFAULTS["cuda_context_gib"],
                                nccl=V.DEFAULTS["nccl_gib_per_communicator"],
                                frag=V.DEFAULTS["fragmentation_percent"]))
             return 0

@@ -87,8 +87,11 @@ def command(argv: list, env: dict) -> tuple[list, bool]:
 def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: profile-training-info [torchrun flags] TRAINING_SCRIPT [Megatron-LM flags]\n\n"
-              + __doc__.strip())
+        try:
+            print("usage: profile-training-info [torchrun flags] TRAINING_SCRIPT [Megatron-LM flags]\n\n"
+                  + __doc__.strip())
+        except BrokenPipeError:   # e.g. `| head`
+            pass
         return 0
     try:
         cmd, dry_run = command(argv, dict(os.environ))
