@@ -23,27 +23,30 @@ PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 USAGE = """usage: get-training-info [torchrun flags] [TRAINING_SCRIPT] [Megatron-LM flags] [options]
 
-Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the command line that follows
-`torchrun` (or `python -m torch.distributed.run`) in a launch script: torchrun's flags (--nproc_per_node x
---nnodes give the world size), the training script (not run, not read), its Megatron-LM flags. Flags that do not
-change memory or communication are accepted and listed once as ignored. Options may also come from the
-environment variable MEMTRACE_ARGS (e.g. MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh).
+Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the command line
+that follows `torchrun` (or `python -m torch.distributed.run`) in a launch script: torchrun's flags
+(--nproc_per_node x --nnodes give the world size), the training script (not run, not read), its
+Megatron-LM flags. Flags that do not change memory or communication are listed once as ignored.
+Options may also come from the environment variable MEMTRACE_ARGS, e.g.
+MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
 
-  --gpu-memory GIB|NAME   verdict per pipeline stage: fits with N GiB headroom / does not fit by N GiB
-                          {gpus}
-  --exit-code             with --gpu-memory: exit 1 when some stage does not fit (0 when all fit; 2 bad input)
+  --gpu-memory GIB|NAME   verdict per pipeline stage: fits with N GiB headroom / does not fit by
+                          N GiB. NAME: {gpus}
+  --exit-code             with --gpu-memory: exit 1 when some stage does not fit (0: all fit;
+                          2: bad input)
   --cuda-context-gib X    allowance for the CUDA context per GPU (default {ctx:g})
   --nccl-gib-per-communicator X   allowance per NCCL communicator (default {nccl:g})
   --fragmentation-percent X       caching-allocator fragmentation, % of the peak (default {frag:g})
-  --detail N              0 summary only; 1 (default) + memory by category, per-rank table, communication per
-                          dimension; 2 + model tree, every collective, process groups; 3 + every stage's tree
-  --png FILE              each pipeline stage's predicted memory over the schedule, by category (matplotlib)
+  --detail N              0 summary only; 1 (default) + memory by category, per-rank table,
+                          communication per dimension; 2 + model tree, every collective, process
+                          groups; 3 + every stage's tree
+  --png FILE              each pipeline stage's predicted memory over the schedule (matplotlib)
   --preset NAME           prepend a bundled model preset's flags (your flags after it win):
                           {presets}
-  --hf-config FILE        take the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral, Qwen2,
-                          GPT-2)
-  --formulas NAME|FILE    activation formula set: a shipped name ({sets}) or a
-                          formula-set JSON file
+  --hf-config FILE        the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral,
+                          Qwen2, GPT-2)
+  --formulas NAME|FILE    activation formula set: a shipped name ({sets})
+                          or a formula-set JSON file
   --json                  print the estimate as JSON (bytes) instead of the text report
 """
 
@@ -275,9 +278,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         _, own = split_own_options(argv)
         if own["help"]:
             import textwrap
-            fill = lambda items: textwrap.fill(", ".join(items), 74, subsequent_indent=" " * 26)  # noqa: E731
-            print(USAGE.format(presets=fill(presets()) or "none", sets=", ".join(F.shipped_sets()),
-                               gpus=fill(["NAME: " + next(iter(V.GPUS))] + list(V.GPUS)[1:]),
+            def fill(items, first):  # wrapped at 98 columns under the option texts, the first line at `first`
+                return textwrap.fill(", ".join(items), 98, initial_indent=" " * first,
+                                     subsequent_indent=" " * 26).lstrip()
+            print(USAGE.format(presets=fill(presets(), 26) or "none", sets=", ".join(F.shipped_sets()),
+                               gpus=fill(V.GPUS, 39),
                                ctx=V.DEFAULTS["cuda_context_gib"],
                                nccl=V.DEFAULTS["nccl_gib_per_communicator"],
                                frag=V.DEFAULTS["fragmentation_percent"]))
