@@ -5,6 +5,7 @@
 
 GPU: run it under torchrun (`torchrun $DISTRIBUTED_ARGS -m tracer.profile ...`); started without torchrun it
 re-launches itself through torch.distributed.run with the torchrun flags found on its command line.
+`profile-training-info` (tracer/launch.py) builds that torchrun command from a launch script's torchrun line.
 `--cpu`: spawns N gloo processes itself (N = --nproc, else --nproc_per_node, else 1).
 `--balanced-routing`: MoE routers send every expert the same number of tokens (tracer/moe_routing.py), so MoE
 buffers depend on the config's shapes only; the fit campaign profiles MoE configs this way.
