@@ -50,7 +50,7 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
   --json                  print the estimate as JSON (bytes) instead of the text report
 """
 
-ENV_ARGS = "MEMTRACE_ARGS"
+ENV_ARGS = TR.ENV_ARGS
 
 
 @dataclass

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from estimator._record import dataclass, field
 
+# Options for get-training-info / profile-training-info from the environment (a launch script needs no other edit).
+ENV_ARGS = "MEMTRACE_ARGS"
+
 # torchrun's options that take a value, each spelling (argparse accepts both dash and underscore forms).
 _WITH_VALUE = ("nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "max-restarts",
                "monitor-interval", "start-method", "event-log-handler", "role", "log-dir", "redirects", "tee",

@@ -15,9 +15,8 @@ from bisect import bisect_left
 from estimator._record import dataclass, field
 
 GiB = float(1 << 30)
-MiB = float(1 << 20)
 
-# memory.total as nvidia-smi reports it (MiB), per GPU model; one name per line of the usual spellings.
+# memory.total as nvidia-smi reports it (MiB), per GPU model; the usual spellings of one model share a value.
 GPUS = {
     "H100-80GB": 81559, "H100": 81559, "H100-SXM": 81559, "H100-PCIE": 81559,
     "H100-NVL": 95830, "H100-94GB": 95830,

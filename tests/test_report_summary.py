@@ -183,3 +183,18 @@ def test_png_without_matplotlib_is_one_line(tmp_path):
             f"sys.exit(main({PNG_ARGV + ['--png', str(tmp_path / 'x.png')]!r}))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.strip() == "error: --png needs matplotlib (pip install matplotlib)"
+
+
+def test_prose_wraps_at_100_columns_keeping_every_word():
+    from estimator.report import _wrap
+    report = build_report(_argv("qwen2.5_72b", LAYOUTS[0], "--lr 1e-4 --data-path /a/very/long/path " * 6))
+    text = to_text(report, detail=1)
+    config = text[text.index("\nModel        "):text.index("\nActivation formulas")].strip("\n").splitlines()
+    ignored = text[text.index("Ignored ("):].splitlines()[:-2]
+    for block in (config, ignored):
+        assert all(len(line) <= 100 for line in block), block
+    assert config[1].startswith(" " * 13) and not config[1][13].isspace()   # under the text after "Model"
+    line = "Label        " + " ".join(f"word{i}" for i in range(60))
+    wrapped = _wrap([line])
+    assert all(len(x) <= 100 for x in wrapped) and len(wrapped) > 1
+    assert " ".join(wrapped).split() == line.split()

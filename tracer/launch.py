@@ -17,7 +17,7 @@ import sys
 
 from estimator import torchrun as TR
 
-ENV_ARGS = "MEMTRACE_ARGS"
+ENV_ARGS = TR.ENV_ARGS
 _OWN_VALUE = ("--out", "--iterations", "--target")
 _OWN_SWITCH = ("--cpu", "--balanced-routing", "--crosscheck", "--dry-run")
 
