@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "launch_scripts"
 BIN = Path(sys.executable).parent
-SED_PATTERN = r'[^[:space:]"=]*(python[0-9.]* -m torch\.distributed\.run|\<torchrun)\>'
+SED_PATTERN = r'[^[:space:]"=]*(python[0-9.]*( -[A-Za-z]+)* -m torch\.distributed\.run|\<torchrun)\>'
 SED_ESTIMATE = f"sed -E 's#{SED_PATTERN}#get-training-info#g'"
 SED_PROFILE = f"sed -E 's#{SED_PATTERN}#profile-training-info#g'"
 

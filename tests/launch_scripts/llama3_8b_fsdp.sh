@@ -1,6 +1,6 @@
 #!/bin/bash
 # Llama-3 8B with Megatron FSDP (parameters, gradients and optimizer states sharded) on 2 nodes x 8 GPUs:
-# `python3 -m torch.distributed.run`, a quoted script path, extra flags forwarded with "$@".
+# `python3 -u -m torch.distributed.run`, a quoted script path, extra flags forwarded with "$@".
 # Written for tests/test_sed_workflow.py in the shape of Megatron-LM's example scripts.
 
 MEGATRON_LM=${MEGATRON_LM:-$HOME/Megatron-LM}
@@ -14,7 +14,7 @@ MODEL_ARGS="--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-att
     --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 \
     --tokenizer-type NullTokenizer --vocab-size 128256 --mock-data"
 
-python3 -m torch.distributed.run $DISTRIBUTED_ARGS \
+python3 -u -m torch.distributed.run $DISTRIBUTED_ARGS \
     "$MEGATRON_LM/pretrain_gpt.py" \
     $MODEL_ARGS \
     --micro-batch-size 1 \
