@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from estimator import _record
+from estimator import _record, flag_policy
 from estimator._record import dataclass, field
 
 
@@ -118,6 +118,30 @@ class TrainingConfig:
     spec: Optional[list] = None
     # --- optimizer ---
     optimizer: str = "adam"
+    use_precision_aware_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    # --- sharded data parallelism (estimator.fsdp) ---
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    use_torch_fsdp2: bool = False
+    torch_fsdp2_reshard_after_forward: bool = True
+    # --- fp8 (estimator.fp8) ---
+    fp8: Optional[str] = None  # --fp8-format
+    fp8_recipe: str = "delayed"
+    fp8_amax_history_len: int = 1
+    fp8_param_gather: bool = False
+    fp8_wgrad: bool = True
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    keep_fp8_transpose_cache: bool = False
+    # --- activation offload, TP comm overlap, pipeline layout ---
+    cpu_offloading_num_layers: int = 0
+    tp_comm_overlap: bool = False
+    pipeline_model_parallel_layout: Optional[str] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    quick_geglu: bool = False
     # --- torchrun ---
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -133,6 +157,7 @@ class TrainingConfig:
     params_dtype: str = "fp32"  # fp32 | bf16 | fp16
     attention_kernel: str = "flash"  # unfused (local spec / TE unfused) | flash (TE flash or fused, flash-attn)
     ignored_args: list = field(default_factory=list)
+    conservative_args: list = field(default_factory=list)  # flags modelled as without them (errs high)
     warnings: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -177,7 +202,10 @@ _CHOICES = {
     "cross_entropy_fusion_impl": ["native", "te"],
     "transformer_impl": ["local", "transformer_engine", "inference_optimized"],
     "attention_backend": ["flash", "fused", "unfused", "local", "auto"],
-    "optimizer": ["adam", "sgd"],
+    "optimizer": ["adam", "sgd", "muon", "dist_muon"],
+    "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    "fp8": ["e4m3", "hybrid"],
+    "fp8_recipe": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
 }
 
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -239,8 +267,6 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
     "--num-virtual-stages-per-pipeline-rank": ("num_virtual_stages_per_pipeline_rank", "int"),
-    # Older Megatron spelling of the same degree; kept because launch scripts still carry it.
-    "--virtual-pipeline-model-parallel-size": ("num_virtual_stages_per_pipeline_rank", "int"),
     "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", "int"),
     "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", "int"),
     "--account-for-embedding-in-pipeline-split": ("account_for_embedding_in_pipeline_split", "true"),
@@ -268,6 +294,28 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--attention-backend": ("attention_backend", "str"),
     "--spec": ("spec", "list"),
     "--optimizer": ("optimizer", "str"),
+    "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", "true"),
+    "--optimizer-cpu-offload": ("optimizer_cpu_offload", "true"),
+    "--optimizer-offload-fraction": ("optimizer_offload_fraction", "float"),
+    "--use-megatron-fsdp": ("use_megatron_fsdp", "true"),
+    "--data-parallel-sharding-strategy": ("data_parallel_sharding_strategy", "str"),
+    "--use-torch-fsdp2": ("use_torch_fsdp2", "true"),
+    "--torch-fsdp2-no-reshard-after-forward": ("torch_fsdp2_reshard_after_forward", "false"),
+    "--fp8-format": ("fp8", "str"),
+    "--fp8-recipe": ("fp8_recipe", "str"),
+    "--fp8-amax-history-len": ("fp8_amax_history_len", "int"),
+    "--fp8-param-gather": ("fp8_param_gather", "true"),
+    "--no-fp8-wgrad": ("fp8_wgrad", "false"),
+    "--disable-fp8-wgrad": ("fp8_wgrad", "false"),
+    "--first-last-layers-bf16": ("first_last_layers_bf16", "true"),
+    "--num-layers-at-start-in-bf16": ("num_layers_at_start_in_bf16", "int"),
+    "--num-layers-at-end-in-bf16": ("num_layers_at_end_in_bf16", "int"),
+    "--keep-fp8-transpose-cache": ("keep_fp8_transpose_cache", "true"),
+    "--cpu-offloading-num-layers": ("cpu_offloading_num_layers", "int"),
+    "--tp-comm-overlap": ("tp_comm_overlap", "true"),
+    "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", "str"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": ("microbatch_group_size_per_vp_stage", "int"),
+    "--quick-geglu": ("quick_geglu", "true"),
     "--hf-config": ("hf_config", "str"),
     # torchrun (both spellings torchrun accepts)
     "--nproc_per_node": ("nproc_per_node", "nproc"),
@@ -339,10 +387,38 @@ def _eval_list_expression(node: ast.AST) -> Any:
     raise ValueError("unsupported pattern")
 
 
-def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Split argv into explicitly given {dest: value} and the ignored tokens (unknown flags with their values)."""
+def _other_flag(argv: list[str], i: int, token: str, flag: str, eq: str, inline: str, ignored: list[str],
+                conservative: list[str]) -> int:
+    """A token that is not a TrainingConfig flag: a stray positional (such as "pretrain_gpt.py") is ignored; a
+    Megatron-LM or torchrun flag is ignored, or kept as modelled without it (flag_policy.CONSERVATIVE), or refused;
+    anything else is Megatron's "unrecognized arguments" error. Returns the index after the flag's values."""
+    if not token.startswith("-") or token == "-":
+        ignored.append(token)
+        return i
+    if not flag_policy.known(flag):
+        raise ConfigError(flag_policy.unknown_message(flag, tuple(_FLAGS)))
+    taken = flag_policy.values_taken(flag)
+    values = [inline] if eq else []
+    if not eq and taken != 0:
+        most = taken if isinstance(taken, int) else (1 if taken == "?" else len(argv))
+        while len(values) < most and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if taken in (1, "+") and not values:
+            raise ConfigError(f"argument {flag}: expected {'one argument' if taken == 1 else 'at least one argument'}")
+    reason = flag_policy.refusal(flag, values)
+    if reason is not None:
+        raise ConfigError(f"{flag} changes memory or communication and cannot be estimated: {reason}")
+    (conservative if flag in flag_policy.CONSERVATIVE else ignored).extend([token] if eq else [token] + values)
+    return i
+
+
+def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Split argv into explicitly given {dest: value}, the ignored tokens (Megatron flags that change neither memory
+    nor communication, with their values) and the flags modelled as if absent (errs high)."""
     given: dict[str, Any] = {}
     ignored: list[str] = []
+    conservative: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -351,11 +427,7 @@ def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         if flag in _REFUSED:
             raise ConfigError(_REFUSED[flag])
         if flag not in _FLAGS:
-            # Unknown flag (or stray positional such as "pretrain_gpt.py"): keep it and its values together.
-            ignored.append(token)
-            while not eq and token.startswith("--") and i < len(argv) and not argv[i].startswith("--"):
-                ignored.append(argv[i])
-                i += 1
+            i = _other_flag(argv, i, token, flag, eq, inline, ignored, conservative)
             continue
         dest, kind = _FLAGS[flag]
         if kind in ("true", "false"):
@@ -375,12 +447,12 @@ def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
                 inline = argv[i]
                 i += 1
             given[dest] = _convert(flag, kind, inline, dest)
-    return given, ignored
+    return given, ignored, conservative
 
 
 def parse_args(argv: list[str]) -> TrainingConfig:
     """Parse a `get_training_info.py $DISTRIBUTED_ARGS $GPT_ARGS ...` tail, derive Megatron's values, validate."""
-    given, ignored = _tokenize(list(argv))
+    given, ignored, conservative = _tokenize(list(argv))
     cfg = TrainingConfig()
     if "hf_config" in given:
         # The HF file describes the model; flags given explicitly on the command line still win.
@@ -392,6 +464,7 @@ def parse_args(argv: list[str]) -> TrainingConfig:
     for dest, value in given.items():
         setattr(cfg, dest, value)
     cfg.ignored_args = ignored
+    cfg.conservative_args = conservative
     if use_rope:
         cfg.position_embedding_type = "rope"
     if not add_position_embedding and cfg.position_embedding_type != "rope":
