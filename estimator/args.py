@@ -452,19 +452,31 @@ def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
 
 def parse_args(argv: list[str]) -> TrainingConfig:
     """Parse a `get_training_info.py $DISTRIBUTED_ARGS $GPT_ARGS ...` tail, derive Megatron's values, validate."""
+    return config_from(*tokenize(argv))
+
+
+def tokenize(argv: list[str]) -> tuple:
+    """(given {dest: value}, ignored tokens, conservative tokens): the parse without derivation, which
+    config_from finishes; a layout search tokenizes once and builds one config per layout from edited copies.
+    The HF config file, if any, is read here, once."""
     given, ignored, conservative = _tokenize(list(argv))
-    cfg = TrainingConfig()
     if "hf_config" in given:
         # The HF file describes the model; flags given explicitly on the command line still win.
         from estimator import hf_config  # only with --hf-config
-        for dest, value in hf_config.load_model_fields(given["hf_config"], ConfigError).items():
-            setattr(cfg, dest, value)
+        given = {**hf_config.load_model_fields(given["hf_config"], ConfigError), **given}
+    return given, ignored, conservative
+
+
+def config_from(given: dict, ignored: list, conservative: list) -> TrainingConfig:
+    """A validated TrainingConfig from tokenize's parts (`given` is not changed)."""
+    given = dict(given)
+    cfg = TrainingConfig()
     use_rope = given.pop("_use_rotary_position_embeddings", False)
     add_position_embedding = given.pop("_add_position_embedding", True)
     for dest, value in given.items():
         setattr(cfg, dest, value)
-    cfg.ignored_args = ignored
-    cfg.conservative_args = conservative
+    cfg.ignored_args = list(ignored)
+    cfg.conservative_args = list(conservative)
     if use_rope:
         cfg.position_embedding_type = "rope"
     if not add_position_embedding and cfg.position_embedding_type != "rope":

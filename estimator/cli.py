@@ -20,7 +20,7 @@ from estimator.args import ConfigError, TrainingConfig, parse_args
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
 USAGE = """usage: get_training_info.py [torchrun flags] [Megatron-LM flags] [--preset NAME] [--hf-config config.json]
-                            [--formulas NAME|FILE] [--json] [--help]
+                            [--formulas NAME|FILE] [--json] [--search --gpu-memory GIB [--top N]] [--help]
 
 Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the same flags as
 `torchrun ... pretrain_gpt.py` (torchrun's --nproc_per_node/--nnodes give the world size); flags that do not
@@ -30,6 +30,11 @@ change memory or communication are accepted and listed once as ignored.
   --hf-config FILE     take the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral, Qwen2, GPT-2)
   --formulas NAME|FILE activation formula set: a shipped name ({sets}) or a formula-set JSON file
   --json               print the estimate as JSON (bytes) instead of the text report
+  --gpu-memory GIB     the memory of one GPU, in GiB (what --search fits layouts into)
+  --search             try every parallel layout Megatron accepts for this model and world size (TP, PP, VPP, CP,
+                       EP, expert TP, micro batch, recompute, distributed optimizer); list those that fit in
+                       --gpu-memory, least communication per rank first, then least pipeline bubble
+  --top N              how many layouts --search lists (20)
 """
 
 
@@ -78,7 +83,7 @@ def _preset_flags(name: str) -> list[str]:
 
 def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
     """Take this tool's own options out; everything else is a Megatron/torchrun flag."""
-    own = {"json": False, "formulas": None, "help": False}
+    own = {"json": False, "formulas": None, "help": False, "search": False, "gpu_memory": None, "top": 20}
     rest: list[str] = []
     preset_flags: list[str] = []
     i = 0
@@ -89,7 +94,9 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
             own["help"] = True
         elif a == "--json":
             own["json"] = True
-        elif key in ("--formulas", "--preset"):
+        elif a == "--search":
+            own["search"] = True
+        elif key in ("--gpu-memory", "--top", "--formulas", "--preset"):
             if not eq:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                     raise UsageError(f"{key} needs a value")
@@ -97,12 +104,24 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
                 val = argv[i]
             if key == "--formulas":
                 own["formulas"] = val
-            else:
+            elif key == "--preset":
                 preset_flags += _preset_flags(val)
+            else:
+                own[key[2:].replace("-", "_")] = _positive(key, val, float if key == "--gpu-memory" else int)
         else:
             rest.append(a)
         i += 1
     return preset_flags + rest, own
+
+
+def _positive(flag: str, raw: str, kind: type):
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise UsageError(f"argument {flag}: invalid {'number' if kind is float else 'int'} value: {raw!r}") from None
+    if not value > 0:
+        raise UsageError(f"argument {flag}: must be positive, got {raw}")
+    return value
 
 
 def _merged_stage_params(cfg: TrainingConfig) -> list:
@@ -208,6 +227,20 @@ def dumps_indent1(obj) -> str:
     return "".join(out)
 
 
+def _search(argv: list[str], own: dict) -> int:
+    from estimator import search as SEARCH  # only with --search
+    if own["gpu_memory"] is None:
+        raise UsageError("--search needs --gpu-memory GIB (the memory of one GPU)")
+    megatron_argv, _ = split_own_options(argv)
+    fset = F.load(own["formulas"] or F.DEFAULT_SET)
+    result = SEARCH.search(megatron_argv, own["gpu_memory"] * (1 << 30), fset, progress=sys.stderr.isatty())
+    if own["json"]:
+        sys.stdout.write(dumps_indent1(SEARCH.to_json(result, own["top"])) + "\n")
+    else:
+        sys.stdout.write(SEARCH.to_text(result, own["top"]))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -215,6 +248,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if own["help"]:
             print(USAGE.format(presets=", ".join(presets()) or "none", sets=", ".join(F.shipped_sets())))
             return 0
+        if own["search"]:
+            return _search(argv, own)
         report = build_report(argv)
     except (ConfigError, F.FormulaError, PAR.ParallelConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)

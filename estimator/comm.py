@@ -96,9 +96,20 @@ class CommReport:
         """Wire bytes per iteration sent by each global rank, by dimension."""
         out = {r: {} for r in range(self.layout.world_size)}
         for c in self.collectives:
+            dim, wire = c.dim, c.wire_bytes_per_iteration  # one value per collective, added for each rank
             for r in c.ranks:
-                out[r][c.dim] = out[r].get(c.dim, 0) + c.wire_bytes_per_iteration
+                row = out[r]
+                row[dim] = row.get(dim, 0) + wire
         return out
+
+    def busiest_rank_bytes(self) -> int:
+        """Wire bytes per iteration of the rank that sends the most, all dimensions together."""
+        totals = [0] * self.layout.world_size
+        for c in self.collectives:
+            wire = c.wire_bytes_per_iteration
+            for r in c.ranks:
+                totals[r] += wire
+        return max(totals, default=0)
 
     def summary(self) -> dict:
         """Per dimension: calls per iteration (max over ranks), max wire bytes per rank, cluster total."""

@@ -155,7 +155,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                 chunks.append(hit[0])
                 chunk_ops.append(hit[1])
             per_op = _stage_per_op(chunk_ops)
-            st = static_memory(cfg, stage_chunks, pp_rank=r, _memo=memo)
+            st = stage_static(cfg, stage_chunks, r, memo)
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
             base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0)
             stage = memo[stage_key] = (chunks, per_op, st, base)
@@ -180,6 +180,19 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     top = max(ranks, key=lambda x: x.peak_bytes)
     return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks(),
                     cache.coverage() if fset.composed else None)
+
+
+def stage_static(cfg: Any, stage_chunks: List[List[ParamInfo]], pp_rank: int,
+                 memo: Optional[dict] = None) -> StaticMemory:
+    """One stage's static memory, as estimate() counts it."""
+    return static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo)
+
+
+def static_peak_bytes(cfg: Any, chunks_by_stage: Dict[int, List[List[ParamInfo]]]) -> int:
+    """The largest stage's static bytes: a lower bound of estimate()'s peak (a layout search skips the schedule
+    of layouts whose weights, gradients and optimizer states alone do not fit)."""
+    memo: dict = {}
+    return max(stage_static(cfg, chunks, r, memo).total_bytes for r, chunks in chunks_by_stage.items())
 
 
 def _stage_per_op(chunk_ops: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:
