@@ -674,8 +674,10 @@ def validate(cfg: TrainingConfig) -> None:
     _validate_pipeline(cfg)
     _validate_recompute(cfg)
     _validate_moe(cfg)
+    from estimator import sharding  # the FSDP checks live with the FSDP model
+    sharding.validate(cfg)
     if cfg.overlap_param_gather:
-        if not cfg.use_distributed_optimizer:
+        if not (cfg.use_distributed_optimizer or cfg.use_megatron_fsdp):
             raise ConfigError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")
         if not cfg.overlap_grad_reduce:
             raise ConfigError("Must use --overlap-param-gather with --overlap-grad-reduce")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
+from estimator import sharding
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, chunk_buffer, ddp_bucket_size, precision
 
 
@@ -392,7 +393,14 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         notes.append("EP: token dispatch volumes assume balanced routing; routing metadata collectives are small "
                      "and not listed (modelled).")
 
-    if chunks_by_stage is not None:
+    if chunks_by_stage is not None and sharding.active(cfg):
+        def fsdp_row(op, what, group, n, dtype, per_mb, per_iter, p, phase):
+            add("dp", op, what, group, (n,), dtype, per_mb, [p], phase, per_iter, modelled=True)
+        stage_params = {p: (sum(x[0] for c in chunks for x in c if not x[1]),
+                            sum(x[0] for c in chunks for x in c if x[1])) for p, chunks in chunks_by_stage.items()}
+        sharding.comm_rows(cfg, fsdp_row, stage_params)
+        notes.append("DP: sharded data parallelism (FSDP) is modelled: whole-stage volumes, not per-unit buckets.")
+    elif chunks_by_stage is not None:
         _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt)
     else:
         notes.append("DP: per-rank parameter lists not given; gradient-buffer collectives left out.")

@@ -6,6 +6,7 @@ from estimator._record import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
+from . import sharding
 from .static_memory import ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
@@ -184,8 +185,12 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
 
 def stage_static(cfg: Any, stage_chunks: List[List[ParamInfo]], pp_rank: int,
                  memo: Optional[dict] = None) -> StaticMemory:
-    """One stage's static memory, as estimate() counts it."""
-    return static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo)
+    """One stage's static memory, as estimate() counts it: megatron-core DDP's buffers, or sharded data
+    parallelism's (estimator.sharding)."""
+    st = static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo)
+    if sharding.active(cfg):
+        st = sharding.apply(cfg, st, stage_chunks)
+    return st
 
 
 def static_peak_bytes(cfg: Any, chunks_by_stage: Dict[int, List[List[ParamInfo]]]) -> int:
