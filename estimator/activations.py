@@ -12,6 +12,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
+from . import fp8
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -119,7 +120,10 @@ class LayerCache:
         if key not in self._cache:
             sw = dict(self.sw, moe=moe, recompute=recompute)
             ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
-            self._cache[key] = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
+            rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
+            if fp8.active(self.cfg):
+                rows = list(rows) + [fp8.layer_row(self.cfg, self.env, moe)]
+            self._cache[key] = rows
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(
                 pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))

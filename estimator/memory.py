@@ -6,8 +6,8 @@ from estimator._record import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
-from . import sharding
-from .static_memory import ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
+from . import fp8, sharding
+from .static_memory import DTYPE_BYTES, ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
 @dataclass
@@ -190,6 +190,9 @@ def stage_static(cfg: Any, stage_chunks: List[List[ParamInfo]], pp_rank: int,
     st = static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo)
     if sharding.active(cfg):
         st = sharding.apply(cfg, st, stage_chunks)
+    if fp8.active(cfg):
+        added, _ = fp8.stage_weight_bytes(cfg, pp_rank, DTYPE_BYTES[cfg.params_dtype])
+        st.weights_bytes += added  # st is this call's own (static_memory builds a new one each time)
     return st
 
 
