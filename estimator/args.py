@@ -580,10 +580,16 @@ def _derive_precision(cfg: TrainingConfig) -> None:
 
 
 def _derive_virtual_pipeline(cfg: TrainingConfig) -> None:
-    if cfg.num_layers_per_virtual_pipeline_stage is not None and cfg.num_virtual_stages_per_pipeline_rank is not None:
+    given = [cfg.num_layers_per_virtual_pipeline_stage, cfg.num_virtual_stages_per_pipeline_rank,
+             cfg.pipeline_model_parallel_layout]
+    if sum(x is not None for x in given) > 1:
         raise ConfigError("No more than one of the following arguments can be set at the same time: "
-                          "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank")
+                          "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank,"
+                          "--pipeline-model-parallel-layout.")
     pp = cfg.pipeline_model_parallel_size
+    if cfg.pipeline_model_parallel_layout is not None:
+        _derive_layout(cfg)
+        return
     uneven = cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None
     num_layers = cfg.num_layers + int(cfg.account_for_embedding_in_pipeline_split) \
         + int(cfg.account_for_loss_in_pipeline_split)
@@ -603,6 +609,29 @@ def _derive_virtual_pipeline(cfg: TrainingConfig) -> None:
     elif not uneven and num_layers % pp != 0:
         raise ConfigError("Number of layers should be divisible by the pipeline-model-parallel size")
     cfg.virtual_pipeline_model_parallel_size = vpp if vpp != 1 else None
+    if cfg.virtual_pipeline_model_parallel_size is None:
+        cfg.overlap_p2p_comm = False  # Megatron: no p2p overlap without the interleaved schedule
+
+
+def _derive_layout(cfg: TrainingConfig) -> None:
+    """The virtual-pipeline size a --pipeline-model-parallel-layout implies, with megatron-core's checks."""
+    from estimator import pipeline_layout as PL  # only with a layout
+    pp = cfg.pipeline_model_parallel_size
+    try:
+        stages = PL.stages(cfg.pipeline_model_parallel_layout)
+        if len(stages) % pp != 0:
+            raise PL.LayoutError(f"The length of pipeline_model_parallel_layout must be divisible by "
+                                 f"pipeline_model_parallel_size (num_stages={len(stages)}, "
+                                 f"args.pipeline_model_parallel_size={pp})")
+        if (cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None
+                or cfg.account_for_embedding_in_pipeline_split or cfg.account_for_loss_in_pipeline_split):
+            raise PL.LayoutError("pipeline_model_parallel_layout cannot be set with other pipeline layout "
+                                 "arguments.")
+        PL.validate(cfg, stages)
+    except PL.LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    vpp = len(stages) // pp
+    cfg.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     if cfg.virtual_pipeline_model_parallel_size is None:
         cfg.overlap_p2p_comm = False  # Megatron: no p2p overlap without the interleaved schedule
 
@@ -666,6 +695,8 @@ def validate(cfg: TrainingConfig) -> None:
     if cfg.max_position_embeddings < cfg.seq_length:
         raise ConfigError(f"max_position_embeddings ({cfg.max_position_embeddings}) must be greater than or "
                           f"equal to seq_length ({cfg.seq_length}).")
+    if cfg.quick_geglu and cfg.swiglu:
+        raise ConfigError("--quick-geglu and --swiglu cannot be used together (Megatron-LM asserts not swiglu)")
     if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):
         raise ConfigError("residual connection in fp32 only supported when using fp16 or bf16.")
     if cfg.position_embedding_type in ("mrope", "relative"):

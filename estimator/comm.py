@@ -146,6 +146,9 @@ _ONE_STAGE_KINDS = frozenset(["tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp-cp", "e
 def layers_per_stage(cfg: Any) -> list:
     """Decoder layers on each PP rank (all virtual chunks together), megatron's uneven first/last split."""
     pp, n = _g(cfg, "pipeline_model_parallel_size", 1), _g(cfg, "num_layers", 1)
+    if _g(cfg, "pipeline_model_parallel_layout") is not None:
+        from estimator.model import layers_per_pp_rank
+        return [layers_per_pp_rank(cfg, p) for p in range(pp)]
     first, last = _g(cfg, "decoder_first_pipeline_num_layers"), _g(cfg, "decoder_last_pipeline_num_layers")
     if pp == 1:
         return [n]

@@ -66,6 +66,11 @@ def transformer_config(cfg):
     )
     if cfg.swiglu:
         kwargs.update(activation_func=F.silu, gated_linear_unit=True)
+    if cfg.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        kwargs.update(activation_func=quick_gelu, gated_linear_unit=True)
+    if cfg.pipeline_model_parallel_layout is not None:
+        kwargs.update(pipeline_model_parallel_layout=cfg.pipeline_model_parallel_layout)
     if cfg.num_experts:
         kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,

@@ -396,3 +396,42 @@ def test_estimator_modules_import_no_torch():
     code = ("import sys, estimator.args, estimator.model, estimator.hf_config; "
             "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; sys.exit(bool(bad))")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_pipeline_layout_sets_the_virtual_stages_and_layers():
+    from estimator.model import layers_per_pp_rank, stage_layers
+    cfg = parse("--num-layers 6 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+                "--pipeline-model-parallel-layout Ett|tt|t,|(t)*1L")
+    assert cfg.virtual_pipeline_model_parallel_size == 2
+    assert [stage_layers(cfg, 0, 0), stage_layers(cfg, 1, 0), stage_layers(cfg, 0, 1), stage_layers(cfg, 1, 1)] \
+        == [[0, 1], [2, 3], [4], [5]]
+    assert [layers_per_pp_rank(cfg, p) for p in range(2)] == [3, 3]
+    assert parse("--num-layers 2 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+                 "--pipeline-model-parallel-layout Et|tL").virtual_pipeline_model_parallel_size is None
+
+
+@pytest.mark.parametrize("layout,extra,message", [
+    ("tE|tL", "", "The first layer must be embedding"),
+    ("Et|t", "", "The last layer must be loss"),
+    ("Ett|tL", "", "Number of decoder layers 3must match num_layers 2"),
+    ("Et|t|L", "", "must be divisible by pipeline_model_parallel_size"),
+    ("Et|tx|L|", "", "Invalid layer character: x"),
+    ("Et|tmL", "", "mtp"),
+    ("Et|tL", "--num-virtual-stages-per-pipeline-rank 1", "No more than one of the following"),
+    ("Et|tL", "--decoder-first-pipeline-num-layers 1", "cannot be set with other pipeline layout arguments"),
+])
+def test_pipeline_layout_errors(layout, extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(f"--num-layers 2 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+              f"--pipeline-model-parallel-layout {layout} {extra}")
+
+
+def test_quick_geglu_is_a_gated_mlp():
+    from estimator import formulas as F
+    from estimator.model import layer_ops
+    cfg = parse("--quick-geglu")
+    fc1 = next(op for op in layer_ops(cfg, 0) if op.op.endswith("linear_fc1"))
+    assert fc1.shapes[0] == (2 * cfg.ffn_hidden_size, cfg.hidden_size) and cfg.ffn_hidden_size == 4 * cfg.hidden_size
+    assert F.switches(cfg)["activation"] == "swiglu"
+    with pytest.raises(ConfigError, match="--quick-geglu and --swiglu"):
+        parse("--quick-geglu --swiglu")
