@@ -12,7 +12,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
-from . import fp8
+from . import fp8, offload
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -213,6 +213,7 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     memo = cache.units
     u = None
     sent = 0.0
+    layer_kept = []
     for lo, hi, ckpt in groups:
         key = (tuple(moe_flags[lo:hi]), ckpt, first, last)
         hit = memo.get(key)
@@ -220,6 +221,7 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
             hit = memo[key] = _group_unit(cache, key)
         u, sent = hit
         units.append(u)
+        layer_kept.append(u[0])
     if not last and u is not None:
         # The stage output is sent and pseudo-freed (deallocate_pipeline_outputs); nothing on this rank saves it.
         # A per-point backward peak is measured above the level with the layer's output counted (its consumer's
@@ -230,7 +232,14 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
         units.append(cache.model_unit(LAST_OPS))
     # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
     # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
-    return fold_chunk(units), per_op_bytes(units)
+    acts = fold_chunk(units)
+    relief = offload.activation_relief(cache.cfg, layer_kept)
+    if relief:
+        # Offloaded layers leave the GPU during the forward: the saved level and the forward peak (reached at its
+        # end) drop by what left; the backward's transient above the level is unchanged.
+        acts = ChunkActivations(acts.saved - relief, max(acts.fwd_extra - relief, acts.saved - relief),
+                                acts.bwd_extra)
+    return acts, per_op_bytes(units)
 
 
 def _group_unit(cache: LayerCache, key) -> Tuple[tuple, float]:

@@ -6,7 +6,7 @@ from estimator._record import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
-from . import fp8, sharding
+from . import fp8, offload, sharding
 from .static_memory import DTYPE_BYTES, ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
@@ -193,6 +193,10 @@ def stage_static(cfg: Any, stage_chunks: List[List[ParamInfo]], pp_rank: int,
     if fp8.active(cfg):
         added, _ = fp8.stage_weight_bytes(cfg, pp_rank, DTYPE_BYTES[cfg.params_dtype])
         st.weights_bytes += added  # st is this call's own (static_memory builds a new one each time)
+    share = offload.optimizer_gpu_share(cfg)
+    if share < 1.0:
+        st.optimizer_bytes = int(st.optimizer_bytes * share)
+        st.optimizer_detail = dict(st.optimizer_detail, gpu_share=share)
     return st
 
 
