@@ -705,10 +705,9 @@ def validate(cfg: TrainingConfig) -> None:
     _validate_pipeline(cfg)
     _validate_recompute(cfg)
     _validate_moe(cfg)
-    from estimator import fp8, offload, sharding  # the checks of a modelled feature live with its model
-    sharding.validate(cfg)
-    fp8.validate(cfg)
-    offload.validate(cfg)
+    from estimator import fp8, offload, sharding, tp_overlap  # a modelled feature's checks live with its model
+    for feature in (sharding, fp8, offload, tp_overlap):
+        feature.validate(cfg)
     if cfg.overlap_param_gather:
         if not (cfg.use_distributed_optimizer or cfg.use_megatron_fsdp):
             raise ConfigError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")

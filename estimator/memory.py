@@ -6,7 +6,7 @@ from estimator._record import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
-from . import fp8, offload, sharding
+from . import fp8, offload, sharding, tp_overlap
 from .static_memory import DTYPE_BYTES, ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
@@ -135,6 +135,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
     attn_buffer = attention_buffer_bytes(cfg)
+    userbuffers = tp_overlap.buffer_bytes(cfg)  # every rank, from initialization on (under `other`)
     memo: dict = {}  # equal chunks and equal stages (same layer kinds, same place in the model) are evaluated once
     # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
     p2p = cache.hidden if pp > 1 else 0.0
@@ -158,7 +159,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             per_op = _stage_per_op(chunk_ops)
             st = stage_static(cfg, stage_chunks, r, memo)
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
-            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0)
+            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers
             stage = memo[stage_key] = (chunks, per_op, st, base)
         chunks, per_op, st, base = stage
         per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
