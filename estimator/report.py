@@ -4,6 +4,7 @@ Text uses explicit binary units (MiB, GiB = 2^30 bytes); JSON carries plain inte
 """
 from __future__ import annotations
 
+from estimator import features
 
 JSON_FORMAT = "megatron-memtrace-estimate"
 JSON_VERSION = 1
@@ -283,6 +284,9 @@ def to_text(report) -> str:
     out += _text_groups(report)
     for w in getattr(cfg, "warnings", []) or []:
         out.append(f"warning: {w}")
+    notes = features.modelled(cfg)
+    if notes:
+        out += ["", "Modelled, not measured:"] + ["  " + n for n in notes]
     if cfg.ignored_args:
         out += ["", "Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)]
     return "\n".join(out) + "\n"
@@ -323,6 +327,7 @@ def to_json(report) -> dict:
                         **({"coverage": report.estimate.coverage} if report.estimate.coverage else {})},
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
+        "modelled_features": features.modelled(cfg),
         "schedule": est.schedule,
         "max_peak_bytes": _int(est.max_peak_bytes),
         "max_peak_rank": worst_rank,
