@@ -122,9 +122,11 @@ def schedule_name(cfg) -> str:
 
 
 def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timeline: bool = False,
-             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None) -> Estimate:
+             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None, per_op: bool = True) -> Estimate:
     """Every rank class's static bytes, activation bytes and schedule peak for one config.
-    chunks_by_stage: all_param_chunks(cfg), when the caller already has it."""
+    chunks_by_stage: all_param_chunks(cfg), when the caller already has it. per_op=False leaves the per-op rows
+    empty (a layout search needs the peaks only)."""
+    want_ops = per_op
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
@@ -156,13 +158,14 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                                                             recv_input=not first)
                 chunks.append(hit[0])
                 chunk_ops.append(hit[1])
-            per_op = _stage_per_op(chunk_ops)
+            per_op = _stage_per_op(chunk_ops) if want_ops else {}
             st = stage_static(cfg, stage_chunks, r, memo)
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
             base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers
             stage = memo[stage_key] = (chunks, per_op, st, base)
         chunks, per_op, st, base = stage
-        per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
+        if want_ops:
+            per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
         if timeline:
             steps = S.order(pp, r, M_, vp_arg, group)
             recv, sends = S.p2p_flags(pp, r, vp_arg)

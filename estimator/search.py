@@ -230,7 +230,7 @@ def _evaluate(job: tuple) -> tuple:
             static = static_memo[(lay.cp, lay.dist_opt)] = MEM.static_peak_bytes(cfg, chunks)
         if static > gpu_bytes:
             continue
-        est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
+        est = MEM.estimate(cfg, fset, chunks_by_stage=chunks, per_op=False)
         if est.max_peak_bytes > gpu_bytes:
             continue
         key = (lay.cp, lay.dist_opt, lay.recompute == "full")
