@@ -12,7 +12,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
-from . import fp8, offload
+from . import fp8, moe_router, offload
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -121,8 +121,11 @@ class LayerCache:
             sw = dict(self.sw, moe=moe, recompute=recompute)
             ops = ATTN_OPS + (MOE_MLP_OPS if moe else DENSE_MLP_OPS) + (LAYER_OP,)
             rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
-            if fp8.active(self.cfg):
-                rows = list(rows) + [fp8.layer_row(self.cfg, self.env, moe)]
+            # Modelled features that change a layer's saved bytes beyond the formula set's switches.
+            extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
+                     moe_router.layer_row(self.cfg, self.env, moe)]
+            if any(extra):
+                rows = list(rows) + [r for r in extra if r]
             self._cache[key] = rows
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(

@@ -142,6 +142,8 @@ class TrainingConfig:
     pipeline_model_parallel_layout: Optional[str] = None
     microbatch_group_size_per_vp_stage: Optional[int] = None
     quick_geglu: bool = False
+    softmax_type: str = "vanilla"  # vanilla | off-by-one | learnable (a parameter per head)
+    moe_router_dtype: Optional[str] = None  # None (the activation dtype) | fp32 | fp64
     # --- torchrun ---
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -205,6 +207,8 @@ _CHOICES = {
     "optimizer": ["adam", "sgd", "muon", "dist_muon"],
     "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
     "fp8": ["e4m3", "hybrid"],
+    "softmax_type": ["vanilla", "off-by-one", "learnable"],
+    "moe_router_dtype": ["fp32", "fp64"],
     "fp8_recipe": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
 }
 
@@ -316,6 +320,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", "str"),
     "--microbatch-group-size-per-virtual-pipeline-stage": ("microbatch_group_size_per_vp_stage", "int"),
     "--quick-geglu": ("quick_geglu", "true"),
+    "--softmax-type": ("softmax_type", "str"),
+    "--moe-router-dtype": ("moe_router_dtype", "str"),
     "--hf-config": ("hf_config", "str"),
     # torchrun (both spellings torchrun accepts)
     "--nproc_per_node": ("nproc_per_node", "nproc"),

@@ -23,6 +23,10 @@ def modelled(cfg) -> list[str]:
                    "(one layer in flight)")
     if tp_overlap.buffer_bytes(cfg):
         out.append(f"TP comm overlap: {tp_overlap.buffer_bytes(cfg) / (1 << 30):.2f} GiB of userbuffers per GPU")
+    if cfg.softmax_type != "vanilla":
+        out.append(f"--softmax-type {cfg.softmax_type}: activations as the vanilla softmax's")
+    if cfg.is_moe and cfg.moe_router_dtype:
+        out.append(f"--moe-router-dtype {cfg.moe_router_dtype}: router logits and scores in that dtype")
     if cfg.quick_geglu:
         out.append("--quick-geglu: activations from the swiglu formulas")
     if cfg.cross_entropy_loss_fusion:

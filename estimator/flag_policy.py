@@ -98,13 +98,11 @@ CONSERVATIVE = {
 
 # flag -> (values that change nothing, reason for any other value). Values as written on the command line.
 REFUSED_UNLESS = {
-    "--softmax-type": (("vanilla",), "off-by-one / learnable softmax is not modelled"),
     "--cuda-graph-impl": (("none",), "CUDA graphs keep static input/output buffers; not modelled"),
     "--cp-comm-type": (("p2p",), "context-parallel communication other than p2p is not modelled"),
     "--outer-dp-sharding-strategy": (("no_shard",), "hybrid sharded data parallelism is not modelled"),
     "--num-distributed-optimizer-instances": (("1",), "several distributed-optimizer instances are not modelled"),
     "--recompute-modules": (("core_attn",), "selective recompute of modules other than core_attn is not modelled"),
-    "--moe-router-dtype": (("None",), "a router in fp32/fp64 keeps logits in that dtype; not modelled"),
     "--decoder-seq-length": ((), "encoder-decoder models are not modelled"),
     "--encoder-seq-length": ((), "pass --seq-length (the same value for a GPT model)"),
     "--main-grads-dtype": (("fp32",), "main gradients in a dtype other than fp32 are not modelled"),

@@ -36,10 +36,10 @@ class Estimate:
 
 
 def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
-    """ParamInfo per parameter of `ops`, in named_parameters order (SelfAttention registers linear_proj before
-    linear_qkv; embedding first, final norm and output layer last)."""
+    """ParamInfo per parameter of `ops`, in named_parameters order (Attention registers core_attention, then
+    linear_proj, before SelfAttention's linear_qkv; embedding first, final norm and output layer last)."""
     ops = sorted(enumerate(ops), key=lambda io: (io[1].layer if io[1].layer is not None else (-1 if io[1].op.startswith("embedding") else 1 << 30),
-                                              0 if "linear_proj" in io[1].op else 1, io[0]))
+                                              _ATTENTION_FIRST.get(io[1].op.rsplit(".", 1)[-1], 2), io[0]))
     params: List[ParamInfo] = []
     for _, op in ops:
         shared = op.shared_embedding or (tied and pp > 1 and op.op == "embedding.word_embeddings")
@@ -50,6 +50,9 @@ def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
                     n *= x
                 params.append(ParamInfo(n, op.is_expert, shared, len(shape)))
     return params
+
+
+_ATTENTION_FIRST = {"core_attention": 0, "linear_proj": 1}
 
 
 def _with_columns(params: List[ParamInfo]) -> tuple:

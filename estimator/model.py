@@ -142,6 +142,9 @@ def _attention_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
     if cfg.qk_layernorm:
         ops.append(OpParams("layers.*.self_attention.q_layernorm", layer, _norm(cfg, d)))
         ops.append(OpParams("layers.*.self_attention.k_layernorm", layer, _norm(cfg, d)))
+    if cfg.softmax_type == "learnable":
+        # A learnable offset per attention head of this rank (megatron-core DotProductAttention.softmax_offset).
+        ops.append(OpParams("layers.*.self_attention.core_attention", layer, ((cfg.num_attention_heads // t,),)))
     proj_in = d * cfg.num_attention_heads // t
     ops.append(OpParams("layers.*.self_attention.linear_proj", layer, _linear(h, proj_in, cfg.add_bias_linear)))
     ops.append(OpParams("layers.*.pre_mlp_layernorm", layer, _norm(cfg, h)))

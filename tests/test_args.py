@@ -154,7 +154,7 @@ def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
     ("--multi-latent-attention", "multi-latent attention"),
     ("--mtp-num-layers 1", "multi-token prediction"),
     ("--cp-comm-type a2a", "other than p2p"),
-    ("--softmax-type learnable", "learnable softmax"),
+    ("--outer-dp-sharding-strategy optim", "hybrid sharded data parallelism"),
     ("--enable-cuda-graph", "CUDA graphs"),
 ])
 def test_memory_relevant_flags_that_are_not_modelled_are_refused(flags, reason):
@@ -163,7 +163,8 @@ def test_memory_relevant_flags_that_are_not_modelled_are_refused(flags, reason):
 
 
 def test_refused_unless_default_values_pass():
-    cfg = parse("--cp-comm-type p2p --softmax-type vanilla --cuda-graph-impl none --recompute-modules core_attn")
+    cfg = parse("--cp-comm-type p2p --outer-dp-sharding-strategy no_shard --cuda-graph-impl none "
+                "--recompute-modules core_attn")
     assert "--cp-comm-type" in cfg.ignored_args
 
 

@@ -49,6 +49,8 @@ CASES = {
                        "--pipeline-model-parallel-layout 'Ett|tt|t|tL'",
     # --quick-geglu: a gated MLP (fc1 holds 2 x ffn rows) with the quick-GELU
     "quick_geglu_tp2": "--num-layers 2 --quick-geglu --tensor-model-parallel-size 2",
+    # gpt-oss style: a learnable softmax offset per head (sharded over TP)
+    "learnable_softmax_tp2": "--num-layers 2 --softmax-type learnable --tensor-model-parallel-size 2",
     # MoE: EP4, shared experts, a dense layer in the pattern, swiglu, no biases
     "moe_ep4_shared": "--num-layers 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
                       "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
