@@ -23,7 +23,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
-from estimator import sharding
+from estimator import fp8, sharding
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, chunk_buffer, ddp_bucket_size, precision
 
 
@@ -433,6 +433,9 @@ def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
     first_bucket = ddp_bucket_size(cfg)  # the buffers static memory sizes: bucketed on stage 0's first chunk only
     pe, ge = DTYPE_BYTES.get(pdt, 4), DTYPE_BYTES.get(gdt, 4)
     for p, chunks in chunks_by_stage.items():
+        # --fp8-param-gather: the GEMM weights are gathered in fp8 (modelled: their share of the stage's
+        # parameters, spread evenly over its param buckets).
+        fp8_share = fp8.param_gather_share(cfg, p, chunks)
         for ci, chunk in enumerate(chunks):
             bucket = first_bucket if p == 0 and ci == 0 else None
             for expert, group, size in ((False, "dp-cp", dense_dp), (True, "expert-dp", lay.edp)):
@@ -450,8 +453,13 @@ def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
                         n = b1 - b0
                         rows.append(Collective("dp", "reduce-scatter", grad_what, group, gsize, groups, ranks, (n,),
                                                gdt, ge * n, 0, 1, "step", False, ""))
-                        rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks, (n,),
-                                               pdt, pe * n, 0, 1, "step", False, ""))
+                        if fp8_share and not expert:
+                            rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
+                                                   (n,), f"{pdt}/fp8", int(n * (pe - (pe - 1) * fp8_share)), 0, 1,
+                                                   "step", True, ""))
+                        else:
+                            rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
+                                                   (n,), pdt, pe * n, 0, 1, "step", False, ""))
                 else:
                     for (b0, b1) in layout.buckets:
                         n = b1 - b0

@@ -68,23 +68,36 @@ def _cache_bytes_per_element(cfg) -> float:
     return (1.0 if cfg.fp8_param_gather else 2.0) + scales
 
 
-def stage_weight_bytes(cfg, pp_rank: int, param_bytes: int) -> tuple:
-    """(bytes to add to the stage's weights, fp8 modules on it): caches, amax histories, and with fp8 parameters
-    the 16-bit parameters' bytes given back (param_bytes: bytes per parameter element of the 16-bit model)."""
+def _fp8_gemm_ops(cfg, pp_rank: int):
+    """The fp8 GEMM ops (OpParams) of a pipeline stage's layers, bf16 layers left out."""
     from estimator import model as M
-    table = M.chunk_layer_table(cfg)
     skip = bf16_layers(cfg)
-    elements = modules = 0
-    for (rank, _), layers in table.items():
+    for (rank, _), layers in M.chunk_layer_table(cfg).items():
         if rank != pp_rank:
             continue
         for layer in layers:
-            if layer in skip:
-                continue
-            for op in M.layer_ops(cfg, layer):
-                if op.op.rsplit(".", 1)[-1] in FP8_LINEARS:
-                    elements += op.count * sum(x * y for x, y in (s for s in op.shapes if len(s) == 2))
-                    modules += op.count
+            if layer not in skip:
+                yield from (op for op in M.layer_ops(cfg, layer) if op.op.rsplit(".", 1)[-1] in FP8_LINEARS)
+
+
+def _weight_elements(op) -> int:
+    return op.count * sum(x * y for x, y in (s for s in op.shapes if len(s) == 2))
+
+
+def param_gather_share(cfg, pp_rank: int, chunks) -> float:
+    """With --fp8-param-gather, the share of the stage's dense parameters that are fp8 GEMM weights (0 without)."""
+    if not (active(cfg) and cfg.fp8_param_gather):
+        return 0.0
+    dense = sum(p[0] for c in chunks for p in c if not p[1])
+    fp8_dense = sum(_weight_elements(op) for op in _fp8_gemm_ops(cfg, pp_rank) if not op.is_expert)
+    return fp8_dense / dense if dense else 0.0
+
+
+def stage_weight_bytes(cfg, pp_rank: int, param_bytes: int) -> tuple:
+    """(bytes to add to the stage's weights, fp8 modules on it): caches, amax histories, and with fp8 parameters
+    the 16-bit parameters' bytes given back (param_bytes: bytes per parameter element of the 16-bit model)."""
+    ops = list(_fp8_gemm_ops(cfg, pp_rank))
+    elements, modules = sum(_weight_elements(op) for op in ops), sum(op.count for op in ops)
     added = elements * _cache_bytes_per_element(cfg)
     if cfg.fp8_param_gather:
         added -= elements * (param_bytes - 1)  # the parameter is stored in fp8

@@ -68,3 +68,21 @@ def test_saved_activations_in_fp8():
     # one byte; linear_proj adds a 1-byte copy of the attention output.
     s, b, h, f, a_d = 32, 2, 64, 64 * 8 // 3 // 64 * 64, 64
     assert row["saved"] == 3 * (s * b * a_d - (2 * s * b * h + s * b * f))
+
+
+def test_fp8_param_gather_halves_the_gemm_weights_on_the_wire():
+    from estimator.cli import build_report
+    argv = shlex.split(BASE.replace("--nproc_per_node 1", "--nproc_per_node 4") + "--use-distributed-optimizer "
+                       "--global-batch-size 8 --fp8-format hybrid")
+
+    def gathered(extra):
+        rep = build_report(argv + extra)
+        rows = [c for c in rep.comm.collectives if c.op == "all-gather" and c.dim == "dp"]
+        return rep, sum(c.bytes for c in rows), rows
+    rep, fp8_bytes, rows = gathered(["--fp8-param-gather"])
+    _, plain_bytes, _ = gathered([])
+    share = fp8.param_gather_share(rep.cfg, 0, MEM.all_param_chunks(rep.cfg)[0])
+    linear = sum(fp8._weight_elements(op) for op in fp8._fp8_gemm_ops(rep.cfg, 0))
+    assert 0.5 < share < 1 and share == linear / rep.estimate.ranks[0].params
+    assert fp8_bytes == pytest.approx(plain_bytes * (1 - share / 2), abs=len(rows))
+    assert all(c.modelled and c.dtype == "bf16/fp8" for c in rows)
