@@ -70,6 +70,17 @@ def _unit_numels(cfg) -> int:
     return max(units)
 
 
+def _dtypes(cfg) -> tuple:
+    """(param dtype, gradient dtype): FSDP2 has no main-grad buffer, its gradients are in the params' dtype."""
+    pd, gd = precision(cfg)
+    return (pd, pd) if cfg.use_torch_fsdp2 else (pd, gd)
+
+
+def _reshards(cfg) -> bool:
+    """Whether gathered weights are freed after each unit's forward (and gathered again for its backward)."""
+    return not (cfg.use_torch_fsdp2 and not cfg.torch_fsdp2_reshard_after_forward)
+
+
 def fsdp2_local_elements(cfg) -> int:
     """Parameter elements on the data-parallel rank that holds the most under torch FSDP2 (PP = 1): fully_shard
     splits every parameter on dim 0 into world chunks of ceil(rows / d) rows (torch.chunk), the first ranks' full."""
@@ -87,9 +98,7 @@ def fsdp2_local_elements(cfg) -> int:
 
 def apply(cfg, st: StaticMemory, chunks) -> StaticMemory:
     """The stage's static memory under sharded data parallelism (replaces the DDP buffers' numbers)."""
-    pd, gd = precision(cfg)
-    if cfg.use_torch_fsdp2:
-        gd = pd  # no main-grad buffer: gradients in the parameters' dtype
+    pd, gd = _dtypes(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
     how = strategy(cfg)
     dense = expert = 0
@@ -114,8 +123,7 @@ def apply(cfg, st: StaticMemory, chunks) -> StaticMemory:
     weights = sharded(how == "optim_grads_params") * pb
     grads = sharded(how in ("optim_grads", "optim_grads_params")) * gb
     if how == "optim_grads_params":
-        gathered = dense + expert if (cfg.use_torch_fsdp2 and not cfg.torch_fsdp2_reshard_after_forward) \
-            else 2 * unit
+        gathered = 2 * unit if _reshards(cfg) else dense + expert
         weights += gathered * pb
     if how in ("optim_grads", "optim_grads_params"):
         grads += 2 * unit * gb
@@ -134,11 +142,9 @@ def comm_rows(cfg, add_row, stage_params: dict) -> None:
     """The data-parallel collectives of one iteration under FSDP. add_row(op, what, group, elements, dtype,
     per_microbatch, per_iteration, stage, phase) appends one row; stage_params: stage -> (dense, expert)
     elements."""
-    pd, gd = precision(cfg)
-    if cfg.use_torch_fsdp2:
-        gd = pd
+    pd, gd = _dtypes(cfg)
     how = strategy(cfg)
-    reshard = not (cfg.use_torch_fsdp2 and not cfg.torch_fsdp2_reshard_after_forward)
+    reshard = _reshards(cfg)
     for p, (dense, expert) in stage_params.items():
         for n, group, kind in ((dense, "dp-cp", ""), (expert, "expert-dp", "expert ")):
             if not n:
