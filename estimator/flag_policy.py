@@ -77,6 +77,7 @@ CONSERVATIVE = {
     "--moe-permute-fusion": "the fused permute keeps fewer temporaries",
     "--moe-router-fusion": "the fused router keeps fewer temporaries",
     "--no-clone-scatter-output-in-embedding": "the embedding output is not cloned",
+    "--disable-clone-scatter-output-in-embedding": "the embedding output is not cloned",
     "--fp16-lm-cross-entropy": "the loss is computed on 16-bit logits",
     "--moe-router-padding-for-quantization": "routing maps padded for quantized GEMMs (a few tokens per expert)",
     "--moe-router-padding-for-fp8": "routing maps padded for fp8 GEMMs (a few tokens per expert)",
