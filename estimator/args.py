@@ -701,6 +701,9 @@ def validate(cfg: TrainingConfig) -> None:
     if cfg.max_position_embeddings < cfg.seq_length:
         raise ConfigError(f"max_position_embeddings ({cfg.max_position_embeddings}) must be greater than or "
                           f"equal to seq_length ({cfg.seq_length}).")
+    if cfg.optimizer in ("muon", "dist_muon"):
+        raise ConfigError(f"--optimizer {cfg.optimizer} changes memory or communication and cannot be estimated: "
+                          "Muon's states and Newton-Schulz temporaries are not modelled")
     if cfg.quick_geglu and cfg.swiglu:
         raise ConfigError("--quick-geglu and --swiglu cannot be used together (Megatron-LM asserts not swiglu)")
     if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):

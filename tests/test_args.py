@@ -155,6 +155,7 @@ def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
     ("--mtp-num-layers 1", "multi-token prediction"),
     ("--cp-comm-type a2a", "other than p2p"),
     ("--outer-dp-sharding-strategy optim", "hybrid sharded data parallelism"),
+    ("--optimizer muon", "Muon's states"),
     ("--enable-cuda-graph", "CUDA graphs"),
 ])
 def test_memory_relevant_flags_that_are_not_modelled_are_refused(flags, reason):
