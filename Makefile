@@ -30,6 +30,7 @@ bench: $(VENV)/.test-ready
 	$(PY) benchmarks/estimator_speed.py
 	$(PY) benchmarks/tracer_speed.py
 	$(PY) benchmarks/parse_speed.py
+	$(PY) benchmarks/search_speed.py
 
 # Held-out CPU configs: measured peak vs predicted with the fitted and the modelled set (about 10 min on 2 cores).
 accuracy: $(VENV)/.test-ready

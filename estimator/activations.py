@@ -12,6 +12,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
+from . import fp8, moe_router, offload
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -122,7 +123,13 @@ class LayerCache:
             if moe and not _g(self.cfg, "moe_shared_expert_intermediate_size"):
                 mlp = MOE_MLP_OPS[:-1]   # no shared-expert module: no row (its formulas are not all zero then)
             ops = ATTN_OPS + mlp + (LAYER_OP,)
-            self._cache[key] = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
+            rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
+            # Modelled features that change a layer's saved bytes beyond the formula set's switches.
+            extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
+                     moe_router.layer_row(self.cfg, self.env, moe)]
+            if any(extra):
+                rows = list(rows) + [r for r in extra if r]
+            self._cache[key] = rows
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(
                 pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))
@@ -212,6 +219,7 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     memo = cache.units
     u = None
     sent = 0.0
+    layer_kept = []
     for lo, hi, ckpt in groups:
         key = (tuple(moe_flags[lo:hi]), ckpt, first, last)
         hit = memo.get(key)
@@ -219,6 +227,7 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
             hit = memo[key] = _group_unit(cache, key)
         u, sent = hit
         units.append(u)
+        layer_kept.append(u[0])
     if not last and u is not None:
         # The stage output is sent and pseudo-freed (deallocate_pipeline_outputs); nothing on this rank saves it.
         # A per-point backward peak is measured above the level with the layer's output counted (its consumer's
@@ -229,7 +238,14 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
         units.append(cache.model_unit(LAST_OPS))
     # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
     # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
-    return fold_chunk(units), per_op_bytes(units)
+    acts = fold_chunk(units)
+    relief = offload.activation_relief(cache.cfg, layer_kept)
+    if relief:
+        # Offloaded layers leave the GPU during the forward: the saved level and the forward peak (reached at its
+        # end) drop by what left; the backward's transient above the level is unchanged.
+        acts = ChunkActivations(acts.saved - relief, max(acts.fwd_extra - relief, acts.saved - relief),
+                                acts.bwd_extra)
+    return acts, per_op_bytes(units)
 
 
 def _group_unit(cache: LayerCache, key) -> Tuple[tuple, float]:

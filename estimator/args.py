@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from estimator import _record
+from estimator import _record, flag_policy
 from estimator._record import dataclass, field
 
 
@@ -118,6 +118,32 @@ class TrainingConfig:
     spec: Optional[list] = None
     # --- optimizer ---
     optimizer: str = "adam"
+    use_precision_aware_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    # --- sharded data parallelism (estimator.fsdp) ---
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    use_torch_fsdp2: bool = False
+    torch_fsdp2_reshard_after_forward: bool = True
+    # --- fp8 (estimator.fp8) ---
+    fp8: Optional[str] = None  # --fp8-format
+    fp8_recipe: str = "delayed"
+    fp8_amax_history_len: int = 1
+    fp8_param_gather: bool = False
+    fp8_wgrad: bool = True
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    keep_fp8_transpose_cache: bool = False
+    # --- activation offload, TP comm overlap, pipeline layout ---
+    cpu_offloading_num_layers: int = 0
+    tp_comm_overlap: bool = False
+    pipeline_model_parallel_layout: Optional[str] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    quick_geglu: bool = False
+    softmax_type: str = "vanilla"  # vanilla | off-by-one | learnable (a parameter per head)
+    moe_router_dtype: Optional[str] = None  # None (the activation dtype) | fp32 | fp64
     # --- torchrun ---
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -133,6 +159,7 @@ class TrainingConfig:
     params_dtype: str = "fp32"  # fp32 | bf16 | fp16
     attention_kernel: str = "flash"  # unfused (local spec / TE unfused) | flash (TE flash or fused, flash-attn)
     ignored_args: list = field(default_factory=list)
+    conservative_args: list = field(default_factory=list)  # flags modelled as without them (errs high)
     warnings: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -177,7 +204,12 @@ _CHOICES = {
     "cross_entropy_fusion_impl": ["native", "te"],
     "transformer_impl": ["local", "transformer_engine", "inference_optimized"],
     "attention_backend": ["flash", "fused", "unfused", "local", "auto"],
-    "optimizer": ["adam", "sgd"],
+    "optimizer": ["adam", "sgd", "muon", "dist_muon"],
+    "data_parallel_sharding_strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    "fp8": ["e4m3", "hybrid"],
+    "softmax_type": ["vanilla", "off-by-one", "learnable"],
+    "moe_router_dtype": ["fp32", "fp64"],
+    "fp8_recipe": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
 }
 
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -239,8 +271,6 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
     "--num-virtual-stages-per-pipeline-rank": ("num_virtual_stages_per_pipeline_rank", "int"),
-    # Older Megatron spelling of the same degree; kept because launch scripts still carry it.
-    "--virtual-pipeline-model-parallel-size": ("num_virtual_stages_per_pipeline_rank", "int"),
     "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", "int"),
     "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", "int"),
     "--account-for-embedding-in-pipeline-split": ("account_for_embedding_in_pipeline_split", "true"),
@@ -268,6 +298,30 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--attention-backend": ("attention_backend", "str"),
     "--spec": ("spec", "list"),
     "--optimizer": ("optimizer", "str"),
+    "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", "true"),
+    "--optimizer-cpu-offload": ("optimizer_cpu_offload", "true"),
+    "--optimizer-offload-fraction": ("optimizer_offload_fraction", "float"),
+    "--use-megatron-fsdp": ("use_megatron_fsdp", "true"),
+    "--data-parallel-sharding-strategy": ("data_parallel_sharding_strategy", "str"),
+    "--use-torch-fsdp2": ("use_torch_fsdp2", "true"),
+    "--torch-fsdp2-no-reshard-after-forward": ("torch_fsdp2_reshard_after_forward", "false"),
+    "--fp8-format": ("fp8", "str"),
+    "--fp8-recipe": ("fp8_recipe", "str"),
+    "--fp8-amax-history-len": ("fp8_amax_history_len", "int"),
+    "--fp8-param-gather": ("fp8_param_gather", "true"),
+    "--no-fp8-wgrad": ("fp8_wgrad", "false"),
+    "--disable-fp8-wgrad": ("fp8_wgrad", "false"),
+    "--first-last-layers-bf16": ("first_last_layers_bf16", "true"),
+    "--num-layers-at-start-in-bf16": ("num_layers_at_start_in_bf16", "int"),
+    "--num-layers-at-end-in-bf16": ("num_layers_at_end_in_bf16", "int"),
+    "--keep-fp8-transpose-cache": ("keep_fp8_transpose_cache", "true"),
+    "--cpu-offloading-num-layers": ("cpu_offloading_num_layers", "int"),
+    "--tp-comm-overlap": ("tp_comm_overlap", "true"),
+    "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", "str"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": ("microbatch_group_size_per_vp_stage", "int"),
+    "--quick-geglu": ("quick_geglu", "true"),
+    "--softmax-type": ("softmax_type", "str"),
+    "--moe-router-dtype": ("moe_router_dtype", "str"),
     "--hf-config": ("hf_config", "str"),
     # torchrun (both spellings torchrun accepts)
     "--nproc_per_node": ("nproc_per_node", "nproc"),
@@ -339,10 +393,38 @@ def _eval_list_expression(node: ast.AST) -> Any:
     raise ValueError("unsupported pattern")
 
 
-def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Split argv into explicitly given {dest: value} and the ignored tokens (unknown flags with their values)."""
+def _other_flag(argv: list[str], i: int, token: str, flag: str, eq: str, inline: str, ignored: list[str],
+                conservative: list[str]) -> int:
+    """A token that is not a TrainingConfig flag: a stray positional (such as "pretrain_gpt.py") is ignored; a
+    Megatron-LM or torchrun flag is ignored, or kept as modelled without it (flag_policy.CONSERVATIVE), or refused;
+    anything else is Megatron's "unrecognized arguments" error. Returns the index after the flag's values."""
+    if not token.startswith("-") or token == "-":
+        ignored.append(token)
+        return i
+    if not flag_policy.known(flag):
+        raise ConfigError(flag_policy.unknown_message(flag, tuple(_FLAGS)))
+    taken = flag_policy.values_taken(flag)
+    values = [inline] if eq else []
+    if not eq and taken != 0:
+        most = taken if isinstance(taken, int) else (1 if taken == "?" else len(argv))
+        while len(values) < most and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if taken in (1, "+") and not values:
+            raise ConfigError(f"argument {flag}: expected {'one argument' if taken == 1 else 'at least one argument'}")
+    reason = flag_policy.refusal(flag, values)
+    if reason is not None:
+        raise ConfigError(f"{flag} changes memory or communication and cannot be estimated: {reason}")
+    (conservative if flag in flag_policy.CONSERVATIVE else ignored).extend([token] if eq else [token] + values)
+    return i
+
+
+def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Split argv into explicitly given {dest: value}, the ignored tokens (Megatron flags that change neither memory
+    nor communication, with their values) and the flags modelled as if absent (errs high)."""
     given: dict[str, Any] = {}
     ignored: list[str] = []
+    conservative: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -351,11 +433,7 @@ def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         if flag in _REFUSED:
             raise ConfigError(_REFUSED[flag])
         if flag not in _FLAGS:
-            # Unknown flag (or stray positional such as "pretrain_gpt.py"): keep it and its values together.
-            ignored.append(token)
-            while not eq and token.startswith("--") and i < len(argv) and not argv[i].startswith("--"):
-                ignored.append(argv[i])
-                i += 1
+            i = _other_flag(argv, i, token, flag, eq, inline, ignored, conservative)
             continue
         dest, kind = _FLAGS[flag]
         if kind in ("true", "false"):
@@ -375,23 +453,36 @@ def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
                 inline = argv[i]
                 i += 1
             given[dest] = _convert(flag, kind, inline, dest)
-    return given, ignored
+    return given, ignored, conservative
 
 
 def parse_args(argv: list[str]) -> TrainingConfig:
     """Parse a `get_training_info.py $DISTRIBUTED_ARGS $GPT_ARGS ...` tail, derive Megatron's values, validate."""
-    given, ignored = _tokenize(list(argv))
-    cfg = TrainingConfig()
+    return config_from(*tokenize(argv))
+
+
+def tokenize(argv: list[str]) -> tuple:
+    """(given {dest: value}, ignored tokens, conservative tokens): the parse without derivation, which
+    config_from finishes; a layout search tokenizes once and builds one config per layout from edited copies.
+    The HF config file, if any, is read here, once."""
+    given, ignored, conservative = _tokenize(list(argv))
     if "hf_config" in given:
         # The HF file describes the model; flags given explicitly on the command line still win.
         from estimator import hf_config  # only with --hf-config
-        for dest, value in hf_config.load_model_fields(given["hf_config"], ConfigError).items():
-            setattr(cfg, dest, value)
+        given = {**hf_config.load_model_fields(given["hf_config"], ConfigError), **given}
+    return given, ignored, conservative
+
+
+def config_from(given: dict, ignored: list, conservative: list) -> TrainingConfig:
+    """A validated TrainingConfig from tokenize's parts (`given` is not changed)."""
+    given = dict(given)
+    cfg = TrainingConfig()
     use_rope = given.pop("_use_rotary_position_embeddings", False)
     add_position_embedding = given.pop("_add_position_embedding", True)
     for dest, value in given.items():
         setattr(cfg, dest, value)
-    cfg.ignored_args = ignored
+    cfg.ignored_args = list(ignored)
+    cfg.conservative_args = list(conservative)
     if use_rope:
         cfg.position_embedding_type = "rope"
     if not add_position_embedding and cfg.position_embedding_type != "rope":
@@ -495,10 +586,16 @@ def _derive_precision(cfg: TrainingConfig) -> None:
 
 
 def _derive_virtual_pipeline(cfg: TrainingConfig) -> None:
-    if cfg.num_layers_per_virtual_pipeline_stage is not None and cfg.num_virtual_stages_per_pipeline_rank is not None:
+    given = [cfg.num_layers_per_virtual_pipeline_stage, cfg.num_virtual_stages_per_pipeline_rank,
+             cfg.pipeline_model_parallel_layout]
+    if sum(x is not None for x in given) > 1:
         raise ConfigError("No more than one of the following arguments can be set at the same time: "
-                          "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank")
+                          "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank,"
+                          "--pipeline-model-parallel-layout.")
     pp = cfg.pipeline_model_parallel_size
+    if cfg.pipeline_model_parallel_layout is not None:
+        _derive_layout(cfg)
+        return
     uneven = cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None
     num_layers = cfg.num_layers + int(cfg.account_for_embedding_in_pipeline_split) \
         + int(cfg.account_for_loss_in_pipeline_split)
@@ -518,6 +615,29 @@ def _derive_virtual_pipeline(cfg: TrainingConfig) -> None:
     elif not uneven and num_layers % pp != 0:
         raise ConfigError("Number of layers should be divisible by the pipeline-model-parallel size")
     cfg.virtual_pipeline_model_parallel_size = vpp if vpp != 1 else None
+    if cfg.virtual_pipeline_model_parallel_size is None:
+        cfg.overlap_p2p_comm = False  # Megatron: no p2p overlap without the interleaved schedule
+
+
+def _derive_layout(cfg: TrainingConfig) -> None:
+    """The virtual-pipeline size a --pipeline-model-parallel-layout implies, with megatron-core's checks."""
+    from estimator import pipeline_layout as PL  # only with a layout
+    pp = cfg.pipeline_model_parallel_size
+    try:
+        stages = PL.stages(cfg.pipeline_model_parallel_layout)
+        if len(stages) % pp != 0:
+            raise PL.LayoutError(f"The length of pipeline_model_parallel_layout must be divisible by "
+                                 f"pipeline_model_parallel_size (num_stages={len(stages)}, "
+                                 f"args.pipeline_model_parallel_size={pp})")
+        if (cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None
+                or cfg.account_for_embedding_in_pipeline_split or cfg.account_for_loss_in_pipeline_split):
+            raise PL.LayoutError("pipeline_model_parallel_layout cannot be set with other pipeline layout "
+                                 "arguments.")
+        PL.validate(cfg, stages)
+    except PL.LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    vpp = len(stages) // pp
+    cfg.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     if cfg.virtual_pipeline_model_parallel_size is None:
         cfg.overlap_p2p_comm = False  # Megatron: no p2p overlap without the interleaved schedule
 
@@ -581,6 +701,11 @@ def validate(cfg: TrainingConfig) -> None:
     if cfg.max_position_embeddings < cfg.seq_length:
         raise ConfigError(f"max_position_embeddings ({cfg.max_position_embeddings}) must be greater than or "
                           f"equal to seq_length ({cfg.seq_length}).")
+    if cfg.optimizer in ("muon", "dist_muon"):
+        raise ConfigError(f"--optimizer {cfg.optimizer} changes memory or communication and cannot be estimated: "
+                          "Muon's states and Newton-Schulz temporaries are not modelled")
+    if cfg.quick_geglu and cfg.swiglu:
+        raise ConfigError("--quick-geglu and --swiglu cannot be used together (Megatron-LM asserts not swiglu)")
     if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):
         raise ConfigError("residual connection in fp32 only supported when using fp16 or bf16.")
     if cfg.position_embedding_type in ("mrope", "relative"):
@@ -589,8 +714,11 @@ def validate(cfg: TrainingConfig) -> None:
     _validate_pipeline(cfg)
     _validate_recompute(cfg)
     _validate_moe(cfg)
+    from estimator import fp8, offload, sharding, tp_overlap  # a modelled feature's checks live with its model
+    for feature in (sharding, fp8, offload, tp_overlap):
+        feature.validate(cfg)
     if cfg.overlap_param_gather:
-        if not cfg.use_distributed_optimizer:
+        if not (cfg.use_distributed_optimizer or cfg.use_megatron_fsdp):
             raise ConfigError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")
         if not cfg.overlap_grad_reduce:
             raise ConfigError("Must use --overlap-param-gather with --overlap-grad-reduce")

@@ -26,7 +26,8 @@ USAGE = """usage: get-training-info [torchrun flags] [TRAINING_SCRIPT] [Megatron
 Offline memory and communication estimate for a Megatron-LM GPT training job. Takes the command line
 that follows `torchrun` (or `python -m torch.distributed.run`) in a launch script: torchrun's flags
 (--nproc_per_node x --nnodes give the world size), the training script (not run, not read), its
-Megatron-LM flags. Flags that do not change memory or communication are listed once as ignored.
+Megatron-LM flags. Flags that do not change memory or communication are listed once as ignored;
+one Megatron-LM does not have is an error; one whose effect is not modelled is refused.
 Options may also come from the environment variable MEMTRACE_ARGS, e.g.
 MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
 
@@ -48,6 +49,12 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
   --formulas NAME|FILE    activation formula set: a shipped name ({sets})
                           or a formula-set JSON file
   --json                  print the estimate as JSON (bytes) instead of the text report
+  --search                with --gpu-memory: try every parallel layout Megatron accepts for this
+                          model and world size (TP, PP, VPP, CP, EP, expert TP, micro batch,
+                          recompute, distributed optimizer); list those whose every stage fits with
+                          the allowances above, least communication per rank first, then least
+                          pipeline bubble (--exit-code: exit 1 when none fits)
+  --top N                 how many layouts --search lists (default 20)
 """
 
 ENV_ARGS = TR.ENV_ARGS
@@ -99,7 +106,8 @@ def _preset_flags(name: str) -> list[str]:
 
 # This tool's own options: name -> (key, kind). Kinds: flag (no value), str, int, float, preset.
 OWN_OPTIONS = {
-    "--json": ("json", "flag"), "--exit-code": ("exit_code", "flag"),
+    "--json": ("json", "flag"), "--exit-code": ("exit_code", "flag"), "--search": ("search", "flag"),
+    "--top": ("top", "int"),
     "--formulas": ("formulas", "str"), "--preset": ("preset", "preset"), "--png": ("png", "str"),
     "--gpu-memory": ("gpu_memory", "str"), "--detail": ("detail", "int"),
     "--cuda-context-gib": ("cuda_context_gib", "float"),
@@ -113,7 +121,8 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
     script (`--nproc_per_node 8 pretrain_gpt.py --num-layers ...`) becomes the world flags plus the script's
     flags; preset flags go first, so the user's flags after them win."""
     own = {"json": False, "exit_code": False, "formulas": None, "help": False, "png": None, "gpu_memory": None,
-           "detail": 1, "cuda_context_gib": None, "nccl_gib_per_communicator": None, "fragmentation_percent": None}
+           "detail": 1, "cuda_context_gib": None, "nccl_gib_per_communicator": None, "fragmentation_percent": None,
+           "search": False, "top": 20}
     rest: list[str] = []
     preset_flags: list[str] = []
     i = 0
@@ -151,6 +160,8 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
         raise UsageError("--exit-code needs --gpu-memory (what would fit?)")
     if own["detail"] > 3:
         raise UsageError(f"--detail: 0, 1, 2 or 3, got {own['detail']}")
+    if own["top"] < 1:
+        raise UsageError(f"--top: must be at least 1, got {own['top']}")
     line = TR.split(rest)
     return preset_flags + line.world_flags() + line.script_args, own
 
@@ -271,6 +282,24 @@ def _with_env_options(argv: list[str]) -> list[str]:
         raise UsageError(f"{ENV_ARGS}: {exc}") from None
 
 
+def _search(argv: list[str], own: dict) -> int:
+    """--search: the layouts that fit on --gpu-memory with the verdict's allowances, best first."""
+    from estimator import search as SEARCH  # only with --search
+    if own["gpu_memory"] is None:
+        raise UsageError("--search needs --gpu-memory GIB|NAME (the memory of one GPU)")
+    megatron_argv, _ = split_own_options(argv)
+    gpu = V.parse_gpu(own["gpu_memory"])
+    allowances = {k: own[k] for k in V.DEFAULTS}
+    fset = F.load(own["formulas"] or F.DEFAULT_SET)
+    result = SEARCH.search(megatron_argv, gpu.bytes, fset, progress=sys.stderr.isatty(), allowances=allowances,
+                           gpu_name=gpu.name)
+    if own["json"]:
+        sys.stdout.write(dumps_indent1(SEARCH.to_json(result, own["top"])) + "\n")
+    else:
+        sys.stdout.write(SEARCH.to_text(result, own["top"]))
+    return 1 if own["exit_code"] and not result.fits else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -287,6 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                nccl=V.DEFAULTS["nccl_gib_per_communicator"],
                                frag=V.DEFAULTS["fragmentation_percent"]))
             return 0
+        if own["search"]:
+            return _search(argv, own)
         report = build_report(argv)
         if own["png"]:
             from estimator import plot

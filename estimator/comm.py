@@ -23,6 +23,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
+from estimator import fp8, sharding
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, chunk_buffer, ddp_bucket_size, precision
 
 
@@ -96,9 +97,20 @@ class CommReport:
         """Wire bytes per iteration sent by each global rank, by dimension."""
         out = {r: {} for r in range(self.layout.world_size)}
         for c in self.collectives:
+            dim, wire = c.dim, c.wire_bytes_per_iteration  # one value per collective, added for each rank
             for r in c.ranks:
-                out[r][c.dim] = out[r].get(c.dim, 0) + c.wire_bytes_per_iteration
+                row = out[r]
+                row[dim] = row.get(dim, 0) + wire
         return out
+
+    def busiest_rank_bytes(self) -> int:
+        """Wire bytes per iteration of the rank that sends the most, all dimensions together."""
+        totals = [0] * self.layout.world_size
+        for c in self.collectives:
+            wire = c.wire_bytes_per_iteration
+            for r in c.ranks:
+                totals[r] += wire
+        return max(totals, default=0)
 
     def summary(self) -> dict:
         """Per dimension: calls per iteration (max over ranks), max wire bytes per rank, cluster total."""
@@ -134,6 +146,9 @@ _ONE_STAGE_KINDS = frozenset(["tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp-cp", "e
 def layers_per_stage(cfg: Any) -> list:
     """Decoder layers on each PP rank (all virtual chunks together), megatron's uneven first/last split."""
     pp, n = _g(cfg, "pipeline_model_parallel_size", 1), _g(cfg, "num_layers", 1)
+    if _g(cfg, "pipeline_model_parallel_layout") is not None:
+        from estimator.model import layers_per_pp_rank
+        return [layers_per_pp_rank(cfg, p) for p in range(pp)]
     first, last = _g(cfg, "decoder_first_pipeline_num_layers"), _g(cfg, "decoder_last_pipeline_num_layers")
     if pp == 1:
         return [n]
@@ -387,7 +402,14 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         notes.append("EP: token dispatch volumes assume balanced routing; routing metadata collectives are small "
                      "and not listed (modelled).")
 
-    if chunks_by_stage is not None:
+    if chunks_by_stage is not None and sharding.active(cfg):
+        def fsdp_row(op, what, group, n, dtype, per_mb, per_iter, p, phase):
+            add("dp", op, what, group, (n,), dtype, per_mb, [p], phase, per_iter, modelled=True)
+        stage_params = {p: (sum(x[0] for c in chunks for x in c if not x[1]),
+                            sum(x[0] for c in chunks for x in c if x[1])) for p, chunks in chunks_by_stage.items()}
+        sharding.comm_rows(cfg, fsdp_row, stage_params)
+        notes.append("DP: sharded data parallelism (FSDP) is modelled: whole-stage volumes, not per-unit buckets.")
+    elif chunks_by_stage is not None:
         _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt)
     else:
         notes.append("DP: per-rank parameter lists not given; gradient-buffer collectives left out.")
@@ -417,6 +439,9 @@ def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
     first_bucket = ddp_bucket_size(cfg)  # the buffers static memory sizes: bucketed on stage 0's first chunk only
     pe, ge = DTYPE_BYTES.get(pdt, 4), DTYPE_BYTES.get(gdt, 4)
     for p, chunks in chunks_by_stage.items():
+        # --fp8-param-gather: the GEMM weights are gathered in fp8 (modelled: their share of the stage's
+        # parameters, spread evenly over its param buckets).
+        fp8_share = fp8.param_gather_share(cfg, p, chunks)
         for ci, chunk in enumerate(chunks):
             bucket = first_bucket if p == 0 and ci == 0 else None
             for expert, group, size in ((False, "dp-cp", dense_dp), (True, "expert-dp", lay.edp)):
@@ -434,8 +459,13 @@ def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
                         n = b1 - b0
                         rows.append(Collective("dp", "reduce-scatter", grad_what, group, gsize, groups, ranks, (n,),
                                                gdt, ge * n, 0, 1, "step", False, ""))
-                        rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks, (n,),
-                                               pdt, pe * n, 0, 1, "step", False, ""))
+                        if fp8_share and not expert:
+                            rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
+                                                   (n,), f"{pdt}/fp8", int(n * (pe - (pe - 1) * fp8_share)), 0, 1,
+                                                   "step", True, ""))
+                        else:
+                            rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
+                                                   (n,), pdt, pe * n, 0, 1, "step", False, ""))
                 else:
                     for (b0, b1) in layout.buckets:
                         n = b1 - b0

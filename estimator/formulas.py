@@ -517,7 +517,9 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "attention": attention_kernel(cfg),
         "sp": bool(_get(cfg, "sequence_parallel", False)),
         "recompute": rg if rg in ("selective", "full") else "none",
-        "activation": "swiglu" if _get(cfg, "swiglu", False) else "gelu",
+        # --quick-geglu is a gated unit too: fc1 output 2 x ffn, the product ffn; its activations are modelled by
+        # the swiglu formulas (the same tensors; a quick-GELU instead of a SiLU)
+        "activation": "swiglu" if _get(cfg, "swiglu", False) or _get(cfg, "quick_geglu", False) else "gelu",
         "dtype": dtype,
         "position": "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none",
         "normalization": "RMSNorm" if _get(cfg, "normalization", "LayerNorm") == "RMSNorm" else "LayerNorm",

@@ -6,7 +6,8 @@ from estimator._record import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
-from .static_memory import ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
+from . import fp8, offload, sharding, tp_overlap
+from .static_memory import DTYPE_BYTES, ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
 @dataclass
@@ -35,10 +36,10 @@ class Estimate:
 
 
 def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
-    """ParamInfo per parameter of `ops`, in named_parameters order (SelfAttention registers linear_proj before
-    linear_qkv; embedding first, final norm and output layer last)."""
+    """ParamInfo per parameter of `ops`, in named_parameters order (Attention registers core_attention, then
+    linear_proj, before SelfAttention's linear_qkv; embedding first, final norm and output layer last)."""
     ops = sorted(enumerate(ops), key=lambda io: (io[1].layer if io[1].layer is not None else (-1 if io[1].op.startswith("embedding") else 1 << 30),
-                                              0 if "linear_proj" in io[1].op else 1, io[0]))
+                                              _ATTENTION_FIRST.get(io[1].op.rsplit(".", 1)[-1], 2), io[0]))
     params: List[ParamInfo] = []
     for _, op in ops:
         shared = op.shared_embedding or (tied and pp > 1 and op.op == "embedding.word_embeddings")
@@ -49,6 +50,9 @@ def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
                     n *= x
                 params.append(ParamInfo(n, op.is_expert, shared, len(shape)))
     return params
+
+
+_ATTENTION_FIRST = {"core_attention": 0, "linear_proj": 1}
 
 
 def _with_columns(params: List[ParamInfo]) -> tuple:
@@ -121,9 +125,11 @@ def schedule_name(cfg) -> str:
 
 
 def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timeline: bool = False,
-             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None) -> Estimate:
+             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None, per_op: bool = True) -> Estimate:
     """Every rank class's static bytes, activation bytes and schedule peak for one config.
-    chunks_by_stage: all_param_chunks(cfg), when the caller already has it."""
+    chunks_by_stage: all_param_chunks(cfg), when the caller already has it. per_op=False leaves the per-op rows
+    empty (a layout search needs the peaks only)."""
+    want_ops = per_op
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
@@ -134,6 +140,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
     attn_buffer = attention_buffer_bytes(cfg)
+    userbuffers = tp_overlap.buffer_bytes(cfg)  # every rank, from initialization on (under `other`)
     memo: dict = {}  # equal chunks and equal stages (same layer kinds, same place in the model) are evaluated once
     # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
     p2p = cache.hidden if pp > 1 else 0.0
@@ -154,13 +161,14 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                                                             recv_input=not first)
                 chunks.append(hit[0])
                 chunk_ops.append(hit[1])
-            per_op = _stage_per_op(chunk_ops)
-            st = static_memory(cfg, stage_chunks, pp_rank=r, _memo=memo)
+            per_op = _stage_per_op(chunk_ops) if want_ops else {}
+            st = stage_static(cfg, stage_chunks, r, memo)
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
-            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0)
+            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers
             stage = memo[stage_key] = (chunks, per_op, st, base)
         chunks, per_op, st, base = stage
-        per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
+        if want_ops:
+            per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
         if timeline:
             steps = S.order(pp, r, M_, vp_arg, group)
             recv, sends = S.p2p_flags(pp, r, vp_arg)
@@ -180,6 +188,30 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     top = max(ranks, key=lambda x: x.peak_bytes)
     return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks(),
                     cache.coverage() if fset.composed else None)
+
+
+def stage_static(cfg: Any, stage_chunks: List[List[ParamInfo]], pp_rank: int,
+                 memo: Optional[dict] = None) -> StaticMemory:
+    """One stage's static memory, as estimate() counts it: megatron-core DDP's buffers, or sharded data
+    parallelism's (estimator.sharding)."""
+    st = static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo)
+    if sharding.active(cfg):
+        st = sharding.apply(cfg, st, stage_chunks)
+    if fp8.active(cfg):
+        added, _ = fp8.stage_weight_bytes(cfg, pp_rank, DTYPE_BYTES[cfg.params_dtype])
+        st.weights_bytes += added  # st is this call's own (static_memory builds a new one each time)
+    share = offload.optimizer_gpu_share(cfg)
+    if share < 1.0:
+        st.optimizer_bytes = int(st.optimizer_bytes * share)
+        st.optimizer_detail = dict(st.optimizer_detail, gpu_share=share)
+    return st
+
+
+def static_peak_bytes(cfg: Any, chunks_by_stage: Dict[int, List[List[ParamInfo]]]) -> int:
+    """The largest stage's static bytes: a lower bound of estimate()'s peak (a layout search skips the schedule
+    of layouts whose weights, gradients and optimizer states alone do not fit)."""
+    memo: dict = {}
+    return max(stage_static(cfg, chunks, r, memo).total_bytes for r, chunks in chunks_by_stage.items())
 
 
 def _stage_per_op(chunk_ops: List[Dict[str, Dict[str, float]]]) -> Dict[str, Dict[str, float]]:

@@ -55,9 +55,11 @@ def virtual_stages(cfg: TrainingConfig) -> int:
     return cfg.virtual_pipeline_model_parallel_size or 1
 
 
-def _layers_per_pp_rank(cfg: TrainingConfig, pp_rank: int) -> int:
+def layers_per_pp_rank(cfg: TrainingConfig, pp_rank: int) -> int:
     """Transformer layers on one pipeline rank over all its virtual stages (megatron-core get_num_layers_to_build)."""
     pp = cfg.pipeline_model_parallel_size
+    if cfg.pipeline_model_parallel_layout is not None:
+        return sum(_layers_per_chunk(cfg, pp_rank, vp) for vp in range(virtual_stages(cfg)))
     first, last = cfg.decoder_first_pipeline_num_layers, cfg.decoder_last_pipeline_num_layers
     if first is not None or last is not None:
         if pp_rank == 0 and first is not None:
@@ -94,6 +96,10 @@ def stage_layers(cfg: TrainingConfig, pp_rank: int, vp_stage: Optional[int] = No
 
 def _layers_per_chunk(cfg: TrainingConfig, pp_rank: int, vp_stage: int) -> int:
     vpp = virtual_stages(cfg)
+    if cfg.pipeline_model_parallel_layout is not None:
+        from estimator import pipeline_layout as PL
+        stages = PL.stages(cfg.pipeline_model_parallel_layout)
+        return PL.decoder_layers(stages, cfg.pipeline_model_parallel_size, pp_rank, vp_stage)
     per_rank = cfg.num_layers + cfg.account_for_embedding_in_pipeline_split + cfg.account_for_loss_in_pipeline_split
     if cfg.decoder_first_pipeline_num_layers is None and cfg.decoder_last_pipeline_num_layers is None:
         per_chunk = per_rank // cfg.pipeline_model_parallel_size // vpp
@@ -104,7 +110,7 @@ def _layers_per_chunk(cfg: TrainingConfig, pp_rank: int, vp_stage: int) -> int:
                 and vp_stage == vpp - 1):
             per_chunk -= 1
         return per_chunk
-    return _layers_per_pp_rank(cfg, pp_rank) // vpp
+    return layers_per_pp_rank(cfg, pp_rank) // vpp
 
 
 def has_embedding(cfg: TrainingConfig, pp_rank: int, vp_stage: Optional[int] = None) -> bool:
@@ -136,6 +142,9 @@ def _attention_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
     if cfg.qk_layernorm:
         ops.append(OpParams("layers.*.self_attention.q_layernorm", layer, _norm(cfg, d)))
         ops.append(OpParams("layers.*.self_attention.k_layernorm", layer, _norm(cfg, d)))
+    if cfg.softmax_type == "learnable":
+        # A learnable offset per attention head of this rank (megatron-core DotProductAttention.softmax_offset).
+        ops.append(OpParams("layers.*.self_attention.core_attention", layer, ((cfg.num_attention_heads // t,),)))
     proj_in = d * cfg.num_attention_heads // t
     ops.append(OpParams("layers.*.self_attention.linear_proj", layer, _linear(h, proj_in, cfg.add_bias_linear)))
     ops.append(OpParams("layers.*.pre_mlp_layernorm", layer, _norm(cfg, h)))
@@ -144,7 +153,7 @@ def _attention_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
 
 def _mlp_ops(cfg: TrainingConfig, prefix: str, layer: int, ffn: int, tp: int, count: int = 1,
              is_expert: bool = False) -> list[OpParams]:
-    h, gated = cfg.hidden_size, 2 if cfg.swiglu else 1
+    h, gated = cfg.hidden_size, 2 if (cfg.swiglu or cfg.quick_geglu) else 1  # gated linear units
     fc1 = _linear(gated * ffn // tp, h, cfg.add_bias_linear)
     fc2 = _linear(h, ffn // tp, cfg.add_bias_linear)
     return [OpParams(f"{prefix}.linear_fc1", layer, fc1, count, is_expert),

@@ -4,6 +4,7 @@ Text uses explicit binary units (MiB, GiB = 2^30 bytes); JSON carries plain inte
 """
 from __future__ import annotations
 
+from estimator import features
 
 JSON_FORMAT = "megatron-memtrace-estimate"
 JSON_VERSION = 1
@@ -370,6 +371,12 @@ def _section_notes(report) -> list[str]:
     return _wrap(out)
 
 
+def _section_modelled(report) -> list[str]:
+    """Features the config uses whose memory is modelled from Megatron's implementation, not measured."""
+    notes = features.modelled(report.cfg)
+    return _wrap(["Modelled, not measured:"] + ["  " + n for n in notes]) if notes else []
+
+
 def _section_summary(report) -> list[str]:
     from estimator import summary
     return summary.summary_lines(report, _budget(report))
@@ -378,6 +385,7 @@ def _section_summary(report) -> list[str]:
 # The text report, in order: (lowest --detail that shows it, renderer). A new section is one more entry.
 SECTIONS = [
     (0, _section_summary),
+    (0, _section_modelled),
     (1, _section_config),
     (1, _section_formulas),
     (2, _section_model_tree),
@@ -442,6 +450,7 @@ def to_json(report) -> dict:
                         **({"coverage": report.estimate.coverage} if report.estimate.coverage else {})},
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
+        "modelled_features": features.modelled(cfg),
         "schedule": est.schedule,
         "max_peak_bytes": _int(est.max_peak_bytes),
         "max_peak_rank": worst_rank,

@@ -106,12 +106,16 @@ class Budget:
 
 def _stage_communicators(report) -> dict:
     """pp stage -> sorted group kinds its ranks communicate in (communication rows with a group of 2 or more)."""
-    layout = report.layout
-    pp = report.cfg.pipeline_model_parallel_size
+    return stage_communicators(report.cfg, report.layout, report.comm)
+
+
+def stage_communicators(cfg, layout, comm) -> dict:
+    """pp stage -> sorted group kinds its ranks communicate in, from a communication report (estimator.comm)."""
+    pp = cfg.pipeline_model_parallel_size
     # One rank per stage (the first pp group holds one of each): a row is a rank class, all of a stage or none.
     reps = dict(enumerate(layout.groups["pp"][0]))
     kinds: dict = {p: set() for p in range(pp)}
-    for c in report.comm.collectives:
+    for c in comm.collectives:
         if c.group_size < 2:
             continue
         ranks = c.ranks   # sorted (estimator.comm builds every row from sorted stage ranks)
@@ -123,19 +127,29 @@ def _stage_communicators(report) -> dict:
     return {p: sorted(k | ({"world"} if world else set())) for p, k in kinds.items()}
 
 
-def budget(report, gpu: Optional[GPU] = None, **overrides) -> Budget:
-    """Per stage: allocated peak + CUDA context + NCCL + fragmentation, and the headroom on `gpu`."""
+def allowances(**overrides) -> dict:
+    """DEFAULTS with the overrides that are not None."""
     allow = dict(DEFAULTS)
     allow.update({k: v for k, v in overrides.items() if v is not None})
+    return allow
+
+
+def stage_budget(pp_rank: int, peak_bytes: float, communicators: list, allow: dict,
+                 gpu: Optional[GPU] = None) -> StageBudget:
+    """One stage: allocated peak + CUDA context + NCCL per communicator + fragmentation (and the headroom)."""
+    sb = StageBudget(pp_rank, peak_bytes, allow["cuda_context_gib"] * GiB,
+                     len(communicators) * allow["nccl_gib_per_communicator"] * GiB, communicators,
+                     peak_bytes * allow["fragmentation_percent"] / 100.0)
+    sb.total = sb.allocated + sb.cuda_context + sb.nccl + sb.fragmentation
+    if gpu is not None:
+        sb.headroom = gpu.bytes - sb.total
+    return sb
+
+
+def budget(report, gpu: Optional[GPU] = None, **overrides) -> Budget:
+    """Per stage: allocated peak + CUDA context + NCCL + fragmentation, and the headroom on `gpu`."""
+    allow = allowances(**overrides)
     comms = _stage_communicators(report)
-    stages = []
-    for r in report.estimate.ranks:
-        kinds = comms.get(r.pp_rank, [])
-        sb = StageBudget(r.pp_rank, r.peak_bytes, allow["cuda_context_gib"] * GiB,
-                         len(kinds) * allow["nccl_gib_per_communicator"] * GiB, kinds,
-                         r.peak_bytes * allow["fragmentation_percent"] / 100.0)
-        sb.total = sb.allocated + sb.cuda_context + sb.nccl + sb.fragmentation
-        if gpu is not None:
-            sb.headroom = gpu.bytes - sb.total
-        stages.append(sb)
+    stages = [stage_budget(r.pp_rank, r.peak_bytes, comms.get(r.pp_rank, []), allow, gpu)
+              for r in report.estimate.ranks]
     return Budget(stages, gpu, allow)

@@ -66,6 +66,13 @@ def transformer_config(cfg):
     )
     if cfg.swiglu:
         kwargs.update(activation_func=F.silu, gated_linear_unit=True)
+    if cfg.quick_geglu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        kwargs.update(activation_func=quick_gelu, gated_linear_unit=True)
+    if cfg.softmax_type != "vanilla":
+        kwargs.update(softmax_type=cfg.softmax_type)
+    if cfg.pipeline_model_parallel_layout is not None:
+        kwargs.update(pipeline_model_parallel_layout=cfg.pipeline_model_parallel_layout)
     if cfg.num_experts:
         kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
@@ -117,6 +124,8 @@ def _worker(rank: int, world: int, port: int, cases: list, results) -> None:
     # first-stage/last-stage all-reduce. This process only builds models, so a no-op .cuda() is enough
     # (tracer/megatron_compat.py is the full shim for training).
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # The learnable softmax offset is created on torch.cuda.current_device(): build it on the CPU.
+    torch.cuda.current_device = lambda: "cpu"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

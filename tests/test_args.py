@@ -130,10 +130,76 @@ def test_torchrun_spellings_and_elastic_nnodes():
     assert not a.ignored_args and not b.ignored_args
 
 
-def test_unknown_flags_and_values_are_collected():
-    cfg = parse("--lr 3e-4 --split 949,50,1 --foo=bar --no-value-flag --save /ckpt")
-    assert cfg.ignored_args == ["--lr", "3e-4", "--split", "949,50,1", "--foo=bar", "--no-value-flag",
-                                "--save", "/ckpt"]
+def test_megatron_flags_that_change_nothing_are_ignored_with_their_values():
+    cfg = parse("--lr 3e-4 --split 949,50,1 --log-interval=10 --use-cpu-initialization --save /ckpt "
+                "--rdzv_backend c10d --data-path 0.5 /a 0.5 /b --eval-iters 10")
+    assert cfg.ignored_args == ["--lr", "3e-4", "--split", "949,50,1", "--log-interval=10",
+                                "--use-cpu-initialization", "--save", "/ckpt", "--rdzv_backend", "c10d",
+                                "--data-path", "0.5", "/a", "0.5", "/b", "--eval-iters", "10"]
+
+
+@pytest.mark.parametrize("flag,hint", [
+    ("--tensor-model-paralel-size 2", "--tensor-model-parallel-size"),
+    ("--num-layer 4", "--num-layers"),
+    ("--foo=bar", None),
+])
+def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
+    with pytest.raises(ConfigError) as err:
+        parse(flag)
+    msg = str(err.value)
+    assert msg.startswith("unrecognized argument " + flag.split()[0].split("=")[0])
+    assert (f"did you mean {hint}" in msg) if hint else ("did you mean" not in msg)
+
+
+@pytest.mark.parametrize("flags,reason", [
+    ("--multi-latent-attention", "multi-latent attention"),
+    ("--mtp-num-layers 1", "multi-token prediction"),
+    ("--cp-comm-type a2a", "other than p2p"),
+    ("--outer-dp-sharding-strategy optim", "hybrid sharded data parallelism"),
+    ("--optimizer muon", "Muon's states"),
+    ("--enable-cuda-graph", "CUDA graphs"),
+])
+def test_memory_relevant_flags_that_are_not_modelled_are_refused(flags, reason):
+    with pytest.raises(ConfigError, match="changes memory or communication and cannot be estimated: .*" + reason):
+        parse(flags)
+
+
+def test_refused_unless_default_values_pass():
+    cfg = parse("--cp-comm-type p2p --outer-dp-sharding-strategy no_shard --cuda-graph-impl none "
+                "--recompute-modules core_attn")
+    assert "--cp-comm-type" in cfg.ignored_args
+
+
+def test_flags_modelled_as_absent_are_labelled_not_ignored():
+    cfg = parse("--moe-permute-fusion --lr 1e-4")
+    assert cfg.conservative_args == ["--moe-permute-fusion"] and cfg.ignored_args == ["--lr", "1e-4"]
+
+
+def test_every_megatron_flag_has_one_policy():
+    from estimator import flag_policy
+    from estimator.args import _FLAGS
+    from estimator.megatron_flags import MEGATRON_LM
+    for table in (flag_policy.REFUSED, flag_policy.REFUSED_UNLESS, flag_policy.CONSERVATIVE):
+        assert set(table) <= set(MEGATRON_LM), set(table) - set(MEGATRON_LM)   # no stale names
+    parsed = set(_FLAGS) - {"--hf-config"}
+    assert parsed <= set(MEGATRON_LM) | set(flag_policy.TORCHRUN), parsed - set(MEGATRON_LM)
+    for a, b in ((parsed, flag_policy.REFUSED), (parsed, flag_policy.CONSERVATIVE),
+                 (flag_policy.REFUSED, flag_policy.CONSERVATIVE), (parsed, flag_policy.REFUSED_UNLESS)):
+        assert not set(a) & set(b), set(a) & set(b)
+
+
+# The flags issue 14 found listed as ignored although they change memory: each is now parsed (modelled) or refused.
+MEMORY_FLAGS = ["--fp8-format", "--fp8-param-gather", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                "--use-torch-fsdp2", "--cpu-offloading-num-layers", "--optimizer-cpu-offload",
+                "--multi-latent-attention", "--mtp-num-layers", "--pipeline-model-parallel-layout",
+                "--cross-entropy-loss-fusion", "--quick-geglu", "--tp-comm-overlap"]
+
+
+@pytest.mark.parametrize("flag", MEMORY_FLAGS)
+def test_issue14_memory_flags_are_never_ignored(flag):
+    from estimator import flag_policy
+    from estimator.args import _FLAGS
+    assert flag in _FLAGS or flag in flag_policy.REFUSED
 
 
 def test_recompute_activations_means_selective():
@@ -162,8 +228,11 @@ def test_virtual_pipeline_size():
     cfg = parse("--num-layers 8 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
                 "--num-layers-per-virtual-pipeline-stage 2")
     assert cfg.virtual_pipeline_model_parallel_size == 8 // 2 // 2
-    assert parse("--pipeline-model-parallel-size 2 --nproc_per_node 2 --virtual-pipeline-model-parallel-size 2"
+    assert parse("--pipeline-model-parallel-size 2 --nproc_per_node 2 --num-virtual-stages-per-pipeline-rank 2"
                  ).virtual_pipeline_model_parallel_size == 2
+    # Megatron-LM 0.16 dropped the old spelling; its parser fails on it, and so does this one, naming the new one.
+    with pytest.raises(ConfigError, match="did you mean --num-virtual-stages-per-pipeline-rank"):
+        parse("--pipeline-model-parallel-size 2 --nproc_per_node 2 --virtual-pipeline-model-parallel-size 2")
 
 
 @pytest.mark.megatron
@@ -330,3 +399,42 @@ def test_estimator_modules_import_no_torch():
     code = ("import sys, estimator.args, estimator.model, estimator.hf_config; "
             "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; sys.exit(bool(bad))")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def test_pipeline_layout_sets_the_virtual_stages_and_layers():
+    from estimator.model import layers_per_pp_rank, stage_layers
+    cfg = parse("--num-layers 6 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+                "--pipeline-model-parallel-layout Ett|tt|t,|(t)*1L")
+    assert cfg.virtual_pipeline_model_parallel_size == 2
+    assert [stage_layers(cfg, 0, 0), stage_layers(cfg, 1, 0), stage_layers(cfg, 0, 1), stage_layers(cfg, 1, 1)] \
+        == [[0, 1], [2, 3], [4], [5]]
+    assert [layers_per_pp_rank(cfg, p) for p in range(2)] == [3, 3]
+    assert parse("--num-layers 2 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+                 "--pipeline-model-parallel-layout Et|tL").virtual_pipeline_model_parallel_size is None
+
+
+@pytest.mark.parametrize("layout,extra,message", [
+    ("tE|tL", "", "The first layer must be embedding"),
+    ("Et|t", "", "The last layer must be loss"),
+    ("Ett|tL", "", "Number of decoder layers 3must match num_layers 2"),
+    ("Et|t|L", "", "must be divisible by pipeline_model_parallel_size"),
+    ("Et|tx|L|", "", "Invalid layer character: x"),
+    ("Et|tmL", "", "mtp"),
+    ("Et|tL", "--num-virtual-stages-per-pipeline-rank 1", "No more than one of the following"),
+    ("Et|tL", "--decoder-first-pipeline-num-layers 1", "cannot be set with other pipeline layout arguments"),
+])
+def test_pipeline_layout_errors(layout, extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(f"--num-layers 2 --pipeline-model-parallel-size 2 --nproc_per_node 2 "
+              f"--pipeline-model-parallel-layout {layout} {extra}")
+
+
+def test_quick_geglu_is_a_gated_mlp():
+    from estimator import formulas as F
+    from estimator.model import layer_ops
+    cfg = parse("--quick-geglu")
+    fc1 = next(op for op in layer_ops(cfg, 0) if op.op.endswith("linear_fc1"))
+    assert fc1.shapes[0] == (2 * cfg.ffn_hidden_size, cfg.hidden_size) and cfg.ffn_hidden_size == 4 * cfg.hidden_size
+    assert F.switches(cfg)["activation"] == "swiglu"
+    with pytest.raises(ConfigError, match="--quick-geglu and --swiglu"):
+        parse("--quick-geglu --swiglu")

@@ -117,3 +117,12 @@ def test_help_lists_presets_and_formula_sets():
     res = run_cli(["--help"])
     assert res.returncode == 0 and res.stderr == ""
     assert "llama2_7b" in res.stdout and "modelled" in res.stdout and "--formulas" in res.stdout
+
+
+def test_misspelt_own_options_get_a_suggestion():
+    from estimator import flag_policy
+    from estimator.cli import OWN_OPTIONS
+    assert set(flag_policy.TOOL_OPTIONS) == set(OWN_OPTIONS)
+    for wrong, right in (("--gpu-memroy", "--gpu-memory"), ("--serach", "--search"), ("--detial", "--detail")):
+        res = run_cli(shlex.split(SMALL) + [wrong, "1"] if wrong != "--serach" else shlex.split(SMALL) + [wrong])
+        assert res.returncode == 2 and f"did you mean {right}" in res.stderr, res.stderr

@@ -44,6 +44,13 @@ CASES = {
     # embedding and loss counted as pipeline layers
     "account_embedding_loss_pp4": "--num-layers 6 --pipeline-model-parallel-size 4 "
                                   "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+    # --pipeline-model-parallel-layout: uneven chunks over 2 ranks x 2 virtual stages
+    "layout_pp2_vpp2": "--num-layers 6 --pipeline-model-parallel-size 2 "
+                       "--pipeline-model-parallel-layout 'Ett|tt|t|tL'",
+    # --quick-geglu: a gated MLP (fc1 holds 2 x ffn rows) with the quick-GELU
+    "quick_geglu_tp2": "--num-layers 2 --quick-geglu --tensor-model-parallel-size 2",
+    # gpt-oss style: a learnable softmax offset per head (sharded over TP)
+    "learnable_softmax_tp2": "--num-layers 2 --softmax-type learnable --tensor-model-parallel-size 2",
     # MoE: EP4, shared experts, a dense layer in the pattern, swiglu, no biases
     "moe_ep4_shared": "--num-layers 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
                       "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "

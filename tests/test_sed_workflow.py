@@ -33,6 +33,8 @@ EXPECTED = {
     "gpt_oss_like": (16, 1, 2, 1, 8, 24, ""),
     "llama3_8b_fsdp": (16, 1, 1, 1, 1, 32, ""),
 }
+# script -> the modelled (not measured) feature its flags turn on, labelled in the JSON and the report
+MODELLED = {"llama3_8b_fp8": "fp8 (hybrid, delayed)", "llama3_8b_fsdp": "Megatron FSDP (optim_grads_params)"}
 
 
 def _sed(sed_line: str, src: Path, dst: Path) -> str:
@@ -86,6 +88,10 @@ def test_sed_turns_the_script_into_an_estimate(name, tmp_path):
     assert len(doc["ranks"]) == world and doc["max_peak_bytes"] > 0
     # The training script's path is torchrun's positional, not a Megatron flag.
     assert not [a for a in doc["ignored_args"] if a.endswith("pretrain_gpt.py")]
+    if name in MODELLED:   # estimated with the feature modelled, not refused and not ignored
+        assert any(MODELLED[name] in line for line in doc["modelled_features"]), doc["modelled_features"]
+        assert not [a for a in doc["ignored_args"] if a.startswith(("--fp8-format", "--fp8-param", "--use-megatron-fsdp",
+                                                                    "--data-parallel-sharding"))]
     # The text report of the same line starts with the summary and the verdict.
     res = subprocess.run(["bash", "estimate.sh"], cwd=tmp_path, capture_output=True, text=True,
                          env=_env(tmp_path, f"--gpu-memory H100-80GB --detail 0 {extra}"))
