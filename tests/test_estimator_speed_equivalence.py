@@ -6,6 +6,8 @@
 - parallel.masked_orthogonal_groups (stride arithmetic) == megatron's rank-by-rank decomposition.
 """
 import itertools
+import time
+from fractions import Fraction
 import random
 import types
 
@@ -16,19 +18,28 @@ from estimator import schedule as S
 
 
 def _full(pp, rank, M, vp, group, chunks, static, opt, p2p=0.0):
+    """The step-by-step simulation in exact arithmetic, its numbers rounded once at the end: every float is a
+    multiple of some 1/2**k, so the simulation runs on integers scaled by the largest such 2**k."""
+    vals = [Fraction(x) for x in [static, opt, p2p] + [x for c in chunks for x in (c.saved, c.fwd_extra, c.bwd_extra)]]
     steps = S.order(pp, rank, M, vp, group)
+    scale = max(x.denominator for x in vals)
+    ints = lambda x: int(Fraction(x) * scale)                     # noqa: E731  (exact: a power-of-two scale)
+    chunks = [types.SimpleNamespace(saved=ints(c.saved), fwd_extra=ints(c.fwd_extra), bwd_extra=ints(c.bwd_extra))
+              for c in chunks]
+    static, opt, p2p = ints(static), ints(opt), ints(p2p)
     recv, sends = S.p2p_flags(pp, rank, vp)
     tl = S.simulate(steps, chunks, static, opt, warmup=S.warmup_count(pp, rank, M, vp if vp and vp > 1 else None,
                                                                        group),
                     p2p=p2p, recv=recv, sends=sends, interleaved=bool(vp and vp > 1))
-    act = 0.0
+    act = 0
     if tl.peak_phase != "optimizer step":
         for i, (kind, _, c) in enumerate(steps[: tl.peak_index + 1]):
             if kind == "F":
                 act += chunks[c].saved
             elif i < tl.peak_index:
                 act -= chunks[c].saved
-    return tl, act
+    tl.peak = float(Fraction(tl.peak, scale))
+    return tl, float(Fraction(act, scale))
 
 
 def _chunk_sets(vp, rng):
@@ -40,7 +51,8 @@ def _chunk_sets(vp, rng):
     yield [mk(float(rng.randint(-5, 40)), float(rng.randint(-3, 60)), float(rng.randint(-10, 80))) for _ in range(n)]
     yield [mk(0.0, 0.0, 0.0)] * n                                      # ties everywhere: first occurrence wins
     yield [mk(8 + c, 2 * c, 5) for c in range(n)]                       # ints, as some callers pass
-    yield [mk(0.1 * (c + 1), 0.3, 0.7) for c in range(n)]              # inexact: the full walk is taken
+    yield [mk(0.1 * (c + 1), 0.3, 0.7) for c in range(n)]              # fractional: the walk runs on Fractions
+    yield [mk(2 ** 60 + 7 * c, 2 ** 61 + 3, 5) for c in range(n)]       # sums past 2**53: on Python integers
 
 
 GRID = [(pp, vp, M, group)
@@ -325,3 +337,24 @@ def test_rank_timeline_runs_equal_full_simulation_large(pp, vp, M, group):
                 assert (got_tl.peak, got_tl.peak_phase, got_tl.peak_index, got_tl.in_flight_max) == \
                     (want_tl.peak, want_tl.peak_phase, want_tl.peak_index, want_tl.in_flight_max), key
                 assert repr(got_act) == repr(want_act), key
+
+
+@pytest.mark.parametrize("pp,vp,group", [(4, None, None), (8, 3, None), (8, 5, 3), (6, 2, 8)])
+def test_rank_timeline_cost_is_flat_in_the_microbatch_count(pp, vp, group):
+    """10**6 and 10**7 microbatches, byte counts whose sums leave the exact floats: no step list, a few ms per rank,
+    and the numbers the exact step-by-step simulation gives for a small microbatch count with the same remainder
+    of the last microbatch group (every full period in between repeats the same levels)."""
+    mk = lambda s, f, b: types.SimpleNamespace(saved=s, fwd_extra=f, bwd_extra=b)  # noqa: E731
+    chunks = [mk(805765120.0 + (c << 20), 856096768.0 + 3 * c, 100663296.0) for c in range(vp or 1)]
+    g = (group or pp) if vp else 1
+    P = g * (vp or 1)
+    for M in (10 ** 6, 10 ** 7):
+        small = 8 * P + M % g
+        t0 = time.process_time()
+        got = [S.rank_timeline(pp, r, M, chunks, 2e9, 3e7, vp=vp, group=group, p2p=5e7) for r in range(pp)]
+        assert time.process_time() - t0 < 0.5
+        for r, (tl, act) in enumerate(got):
+            want_tl, want_act = _full(pp, r, small, vp, group, chunks, 2e9, 3e7, 5e7)
+            strip = lambda s: s.split(" chunk=")[-1] if s.startswith(("forward", "backward")) else s  # noqa: E731
+            assert (tl.peak, act, tl.in_flight_max, strip(tl.peak_phase)) == \
+                (want_tl.peak, want_act, want_tl.in_flight_max, strip(want_tl.peak_phase)), (M, r)
