@@ -4,12 +4,16 @@
   bytes live at the peak, over a grid of (pp, vp, M, group, stage), several chunk byte patterns and p2p tensor
   sizes (0: none; the pipeline p2p tensors of schedule.p2p_counts otherwise).
 - parallel.masked_orthogonal_groups (stride arithmetic) == megatron's rank-by-rank decomposition.
+- the JSON document written from per-stage templates (report_json) == the straightforward one, byte for byte; the
+  per-rank communication figures by stage == sums over every rank of every row; rank coordinates by column ==
+  RankGrid.coords per rank.
 """
 import itertools
-import time
-from fractions import Fraction
 import random
+import shlex
+import time
 import types
+from fractions import Fraction
 
 import pytest
 
@@ -358,3 +362,51 @@ def test_rank_timeline_cost_is_flat_in_the_microbatch_count(pp, vp, group):
             strip = lambda s: s.split(" chunk=")[-1] if s.startswith(("forward", "backward")) else s  # noqa: E731
             assert (tl.peak, act, tl.in_flight_max, strip(tl.peak_phase)) == \
                 (want_tl.peak, want_act, want_tl.in_flight_max, strip(want_tl.peak_phase)), (M, r)
+
+
+JSON_CASES = [
+    "--preset llama2_7b --nproc_per_node 8 --nnodes 2 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    "--preset llama2_7b --nproc_per_node 8 --nnodes 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 "
+    "--num-layers-per-virtual-pipeline-stage 2 --use-distributed-optimizer --sequence-parallel",
+    "--preset llama2_7b --nproc_per_node 1",
+    "--preset mixtral_8x7b --nproc_per_node 8 --nnodes 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+    "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1",
+    "--preset llama3_8b --nproc_per_node 4 --nnodes 3 --context-parallel-size 2 --pipeline-model-parallel-size 3 "
+    "--decoder-first-pipeline-num-layers 8 --vocab-size 1000000 --untie-embeddings-and-output-weights",
+    "--preset gpt3_175b --nproc_per_node 8 --nnodes 16 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
+    "--use-distributed-optimizer --overlap-grad-reduce",
+]
+
+
+@pytest.mark.parametrize("flags", JSON_CASES)
+def test_json_writer_and_comm_classes_equal_the_straightforward_ones(flags):
+    from estimator import cli
+    from estimator import report as R
+    from estimator.report_json import json_text
+    rep = cli.build_report(shlex.split(flags) + ["--micro-batch-size", "1", "--global-batch-size", "96", "--bf16"])
+    assert json_text(rep) == cli.dumps_indent1(R.to_json(rep))
+    # the first rank with the highest rounded peak, searched the plain way
+    docs = R.to_json(rep)["ranks"]
+    top = max(d["peak_bytes"] for d in docs)
+    assert R.worst_rank(rep) == next(d["rank"] for d in docs if d["peak_bytes"] == top)
+    # per-rank communication bytes and the summary, rank by rank over every row
+    comm = rep.comm
+    per_rank = {r: {} for r in range(rep.layout.world_size)}
+    calls: dict = {}
+    for c in comm.collectives:
+        for r in c.ranks:
+            per_rank[r][c.dim] = per_rank[r].get(c.dim, 0) + c.wire_bytes_per_iteration
+            calls.setdefault(c.dim, {})[r] = calls.get(c.dim, {}).get(r, 0) + c.per_iteration
+    assert comm.stage_classes() is not None
+    got = comm.per_rank_bytes()
+    assert got == per_rank and all(list(got[r]) == list(per_rank[r]) for r in got)   # same keys, same order
+    for dim, d in comm.summary().items():
+        assert d["calls_per_iteration"] == max(calls[dim].values())
+        assert d["max_rank_bytes_per_iteration"] == max(b.get(dim, 0) for b in per_rank.values())
+    # rank coordinates by column == RankGrid.coords per rank
+    dense, expert = rep.layout._grids
+    for rc in rep.layout.ranks:
+        d, e = dense.coords(rc.rank), expert.coords(rc.rank)
+        assert (rc.tp, rc.cp, rc.dp, rc.pp, rc.ep, rc.etp, rc.edp) == (d["tp"], d["cp"], d["dp"], d["pp"], e["ep"],
+                                                                        e["tp"], e["dp"])
+        assert rc.name == P.gpu_name(rc.rank, rep.layout.nproc_per_node)
