@@ -72,14 +72,13 @@ inline uint64_t now_ns() {
 }
 
 // Block checksum (FORMATS 2.1): the sum mod 2^64 of mix(w_i + i * golden) over the 64-bit words w_i of a block, i
-// counted from its header slot. mix is a bijection (splitmix64's finaliser), so any change to one word changes the
-// sum; the index makes it position-dependent. Word-parallel, unlike CRC32 or FNV: a few ns per record here, and
-// numpy checks it as fast in the reader. Pure arithmetic: async-signal-safe.
+// counted from its header slot; mix(x) = y ^ (y >> 32) with y = x times an odd constant. mix is a bijection, so any
+// change to one word changes the sum; the index makes it position-dependent. Word-parallel, unlike CRC32 or FNV:
+// about 1 ns per word here, and numpy checks it as fast in the reader. Pure arithmetic: async-signal-safe.
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 inline uint64_t mix64(uint64_t x) {
-  x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27; x *= 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
+  x *= 0xBF58476D1CE4E5B9ull;
+  return x ^ (x >> 32);
 }
 inline uint64_t sum_words(const void* data, size_t n_words, uint64_t first_index) {
   const unsigned char* p = static_cast<const unsigned char*>(data);

@@ -23,11 +23,11 @@ MALLOC, FREE, MALLOC_FAIL, PUSH, POP, MARK, DEVICE_MEM = range(1, 8)
 
 
 def _checksum(words):
-    """FORMATS 2.1's block checksum, written out again: sum of splitmix64-finalised (word + index * golden)."""
-    x = words.astype(np.uint64) + np.arange(len(words), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    for shift, mul in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        x = (x ^ (x >> np.uint64(shift))) * np.uint64(mul)
-    return int((x ^ (x >> np.uint64(31))).sum(dtype=np.uint64))
+    """FORMATS 2.1's block checksum, written out again: sum of mix(word + index * golden), mix(x) = y ^ (y >> 32),
+    y = x * 0xBF58476D1CE4E5B9 (mod 2**64)."""
+    x = (words.astype(np.uint64) + np.arange(len(words), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) \
+        * np.uint64(0xBF58476D1CE4E5B9)
+    return int((x ^ (x >> np.uint64(32))).sum(dtype=np.uint64))
 
 
 def read_trace(path, whole=True):

@@ -56,19 +56,26 @@ class TraceFormatError(ValueError):
 
 # ---- checksums (FORMATS 2.1): sum mod 2**64 of mix(w_i + i * golden) over a block's 64-bit words ------------------
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
 _MASK = (1 << 64) - 1
+_OFFSETS = np.zeros(0, dtype=np.uint64)   # i * golden for i = 0, 1, ...: the same for every block, kept
+_SCRATCH = [np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)]   # reused: fresh MB-sized arrays page-fault
 
 
 def _mixed(words: np.ndarray, first: int = 0) -> np.ndarray:
-    x = np.arange(first, first + len(words), dtype=np.uint64)
-    x *= _GOLDEN
-    x += words
-    x ^= x >> np.uint64(30)
+    """mix(w_i + i * golden) per word, mix(x) = y ^ (y >> 32) with y = x * M1, into reused buffers (the result is
+    valid until the next call)."""
+    global _OFFSETS
+    n = len(words)
+    if first + n > len(_OFFSETS):
+        _OFFSETS = np.arange(max(first + n, 6 * 32769), dtype=np.uint64) * _GOLDEN
+    if n > len(_SCRATCH[0]):
+        _SCRATCH[:] = [np.empty(max(n, 6 * 32769), dtype=np.uint64) for _ in range(2)]
+    x, t = _SCRATCH[0][:n], _SCRATCH[1][:n]
+    np.add(_OFFSETS[first: first + n], words, out=x)
     x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
+    np.right_shift(x, np.uint64(32), out=t)
+    x ^= t
     return x
 
 
@@ -294,9 +301,25 @@ def read_blocks(slots: np.ndarray, end_slots: int | None = None) -> tuple[np.nda
         cut = f"the file holds {n_slots} of the {end_slots} record slots its writer wrote"
     if not damage and end_slots is not None and n_slots > end_slots:
         damage = f"{n_slots - end_slots} slots after the end its writer recorded"
+    return _compact(slots, parts), damage, cut
+
+
+def _compact(slots: np.ndarray, parts: list) -> np.ndarray:
+    """The records of `parts` (views of `slots`, in order) as one array: moved down in place over the block headers
+    when `slots` is writable (a file just read; no second copy of a large trace), else copied."""
     if not parts:
-        return np.zeros(0, RECORD_DTYPE), damage, cut
-    return (parts[0].copy() if len(parts) == 1 else np.concatenate(parts)), damage, cut
+        return np.zeros(0, RECORD_DTYPE)
+    if not slots.flags.writeable or not slots.flags.c_contiguous:
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+    import ctypes
+    base, got = slots.ctypes.data, 0
+    for p in parts:
+        src = p.ctypes.data
+        dst = base + got * RECORD_SIZE
+        if src != dst:
+            ctypes.memmove(dst, src, len(p) * RECORD_SIZE)   # overlapping, downwards: memmove is safe
+        got += len(p)
+    return slots[:got]
 
 
 def records_from_bytes(raw: bytes) -> tuple[np.ndarray, int]:
