@@ -25,7 +25,7 @@ def json_chunks(report) -> list[str]:
 
     def hole(level: int, render) -> str:
         parts.append((level, render))
-        return f"\0{len(parts) - 1}\0"
+        return f"\0memtrace:{len(parts) - 1}\0"
 
     lists = _Lists()
     layout = report.layout
@@ -35,14 +35,16 @@ def json_chunks(report) -> list[str]:
                     communication=comm)
     # The skeleton is small; each placeholder string in it is replaced by its part, rendered at its level.
     pieces = _HOLE.split(dumps_indent1(doc))
+    if sorted(pieces[1::2]) != sorted(str(i) for i in range(len(parts))):
+        # an input string that reads as a placeholder (NUL characters): write the document the plain way
+        return [dumps_indent1(R.to_json(report))]
     for i in range(1, len(pieces), 2):
         level, render = parts[int(pieces[i])]
         pieces[i] = render(level)
-    assert len(pieces) == 2 * len(parts) + 1   # every placeholder found once
     return pieces
 
 
-_HOLE = re.compile(r'"\\u0000(\d+)\\u0000"')
+_HOLE = re.compile(r'"\\u0000memtrace:(\d+)\\u0000"')
 
 
 def _communication(report, hole, lists):

@@ -385,6 +385,10 @@ def test_json_writer_and_comm_classes_equal_the_straightforward_ones(flags):
     from estimator.report_json import json_text
     rep = cli.build_report(shlex.split(flags) + ["--micro-batch-size", "1", "--global-batch-size", "96", "--bf16"])
     assert json_text(rep) == cli.dumps_indent1(R.to_json(rep))
+    # an ignored argument that reads like the writer's placeholder is not taken for one
+    odd = cli.build_report(shlex.split(flags) + ["--micro-batch-size", "1", "--global-batch-size", "96", "--bf16",
+                                                 "--not-a-flag", "\0memtrace:0\0"])
+    assert json_text(odd) == cli.dumps_indent1(R.to_json(odd))
     # the first rank with the highest rounded peak, searched the plain way
     docs = R.to_json(rep)["ranks"]
     top = max(d["peak_bytes"] for d in docs)
