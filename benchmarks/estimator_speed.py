@@ -4,11 +4,15 @@
 1. CLI wall time of `python get_training_info.py <example args> --json` as a ratio of a bare `python -c pass`
    (interpreter start-up is the floor; the target is a ratio under 3).
 2. Full estimates per second in process (parse + model + memory + schedule + communication; target >= 1000/s).
+3. Scale, side by side: CPU time of the CLI process (user + sys) for the example, for 100,000 GPUs (JSON and
+   text) and for 10**7 microbatches, with the size of what it writes (target: well under a second beyond writing
+   the output).
 
     python benchmarks/estimator_speed.py [--runs N]
 """
 import argparse
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -45,6 +49,33 @@ MIXES = [["--preset", p] + shlex.split(l) + ["--micro-batch-size", "1", "--globa
 # Users' Python caches bytecode; some sandboxes turn that off (PYTHONDONTWRITEBYTECODE), which would make every
 # launch recompile the package and measure the compiler rather than the estimator.
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+# Scale cases (issue 13): ranks of a stage are one class, schedules are walked in closed form.
+SCALE = [
+    ("example, 16 GPUs, --json", EXAMPLE_ARGS + ["--json"]),
+    ("100,000 GPUs, --json", shlex.split(
+        "--preset llama2_7b --nproc_per_node 8 --nnodes 12500 --tensor-model-parallel-size 8 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 50000 --bf16 --json")),
+    ("100,000 GPUs, text", shlex.split(
+        "--preset llama2_7b --nproc_per_node 8 --nnodes 12500 --tensor-model-parallel-size 8 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 50000 --bf16")),
+    ("10^7 microbatches, VPP, --json", shlex.split(
+        "--preset llama2_7b --nproc_per_node 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 "
+        "--num-layers-per-virtual-pipeline-stage 2 --micro-batch-size 1 --global-batch-size 10000000 --bf16 --json")),
+]
+
+
+def child_cpu(cmd, runs):
+    """(median CPU seconds, user + sys, of the process running cmd, bytes it writes to stdout)."""
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=ENV).stdout
+    times = []
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=ENV)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        times.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return statistics.median(times), len(out)
 
 
 def median_wall(cmd, runs):
@@ -102,6 +133,12 @@ def main():
     print(f"  the example config alone {max(alone):7.0f}   (median {statistics.median(alone):.0f}; Llama-2 7B, 16 GPUs, "
           "TP 2, PP 2; for scale, not the target)")
     print(f"machine yardstick         {_calibration_us():8.1f} us for sum(range(1000)) in this Python")
+    print("scale: CPU of the CLI process (user + sys, median), what it writes")
+    bare_cpu, _ = child_cpu([sys.executable, "-c", "pass"], opts.runs)
+    print(f"  {'python -c pass':<32} {bare_cpu:7.3f} s")
+    for label, args in SCALE:
+        cpu, size = child_cpu([sys.executable, "get_training_info.py", *args], max(3, opts.runs // 2))
+        print(f"  {label:<32} {cpu:7.3f} s  {size / 1e6:8.1f} MB")
     imported = [m for m in ("torch", "megatron") if m in sys.modules]
     print(f"torch/megatron imported   {'yes: ' + ', '.join(imported) if imported else 'no'}")
 

@@ -14,6 +14,7 @@ from estimator import jsonload
 from estimator import memory as MEM
 from estimator import model as MODEL
 from estimator import parallel as PAR
+from estimator.report_json import json_chunks
 from estimator import report as R
 from estimator import torchrun as TR
 from estimator import verdict as V
@@ -332,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if own["json"]:
-        sys.stdout.write(dumps_indent1(R.to_json(report)))
+        sys.stdout.writelines(json_chunks(report))
         sys.stdout.write("\n")
     else:
         sys.stdout.write(R.to_text(report, detail=own["detail"]))

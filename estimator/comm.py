@@ -93,8 +93,37 @@ class CommReport:
     layout: ParallelLayout
     notes: list = field(default_factory=list)
 
+    def stage_classes(self):
+        """(stage of each global rank, per stage the wire bytes per iteration of one of its ranks by dimension), or
+        None when some collective's issuing ranks are not whole pipeline stages. communication() builds every
+        row from whole stages, so ranks of one stage issue the same collectives: per-rank figures are per-stage
+        figures, found without a pass over every rank of every row."""
+        lay = self.layout
+        pp_groups = lay.groups["pp"]
+        stage_of = [0] * lay.world_size
+        for g in pp_groups:
+            for p, r in enumerate(g):
+                stage_of[r] = p
+        size = len(pp_groups)  # ranks per stage
+        per_stage: list = [{} for _ in range(lay.pp)]
+        seen: dict = {}
+        for c in self.collectives:
+            stages = seen.get(id(c.ranks))
+            if stages is None:
+                stages = seen[id(c.ranks)] = sorted({stage_of[r] for r in c.ranks})
+                if len(c.ranks) != size * len(stages):   # ranks are distinct: whole stages exactly when this holds
+                    return None
+            for p in stages:
+                d = per_stage[p]
+                d[c.dim] = d.get(c.dim, 0) + c.wire_bytes_per_iteration
+        return stage_of, per_stage, seen
+
     def per_rank_bytes(self) -> dict:
         """Wire bytes per iteration sent by each global rank, by dimension."""
+        classes = self.stage_classes()
+        if classes is not None:
+            stage_of, per_stage, _ = classes
+            return {r: dict(per_stage[p]) for r, p in enumerate(stage_of)}
         out = {r: {} for r in range(self.layout.world_size)}
         for c in self.collectives:
             dim, wire = c.dim, c.wire_bytes_per_iteration  # one value per collective, added for each rank
@@ -105,6 +134,9 @@ class CommReport:
 
     def busiest_rank_bytes(self) -> int:
         """Wire bytes per iteration of the rank that sends the most, all dimensions together."""
+        classes = self.stage_classes()
+        if classes is not None:
+            return max((sum(d.values()) for d in classes[1]), default=0)
         totals = [0] * self.layout.world_size
         for c in self.collectives:
             wire = c.wire_bytes_per_iteration
@@ -114,7 +146,7 @@ class CommReport:
 
     def summary(self) -> dict:
         """Per dimension: calls per iteration (max over ranks), max wire bytes per rank, cluster total."""
-        per_rank = self.per_rank_bytes()
+        classes = self.stage_classes()
         dims: dict = {}
         for c in self.collectives:
             d = dims.setdefault(c.dim, {"ops": [], "calls_per_iteration": {}, "cluster_bytes_per_iteration": 0,
@@ -123,11 +155,13 @@ class CommReport:
                 d["ops"].append(c.op)
             d["cluster_bytes_per_iteration"] += c.cluster_bytes_per_iteration
             d["modelled"] = d["modelled"] or c.modelled
-            for r in c.ranks:
-                d["calls_per_iteration"][r] = d["calls_per_iteration"].get(r, 0) + c.per_iteration
+            calls = d["calls_per_iteration"]
+            for who in (classes[2][id(c.ranks)] if classes else c.ranks):  # stages, or ranks
+                calls[who] = calls.get(who, 0) + c.per_iteration
+        per = classes[1] if classes else list(self.per_rank_bytes().values())
         for dim, d in dims.items():
             d["calls_per_iteration"] = max(d["calls_per_iteration"].values(), default=0)
-            d["max_rank_bytes_per_iteration"] = max((b.get(dim, 0) for b in per_rank.values()), default=0)
+            d["max_rank_bytes_per_iteration"] = max((b.get(dim, 0) for b in per), default=0)
         return dims
 
     def to_dict(self) -> dict:

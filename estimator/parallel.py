@@ -143,12 +143,20 @@ class ParallelLayout:
     # Per-rank coordinates are built on first use (`ranks`): a full estimate does not need them.
     _ranks: Optional[list] = field(default=None, repr=False)
     _grids: Optional[tuple] = field(default=None, repr=False, compare=False)
+    _columns: Optional[dict] = field(default=None, repr=False, compare=False)
 
     @property
     def ranks(self) -> list[RankCoords]:
         if self._ranks is None:
-            self._ranks = _rank_coords(self.world_size, self.nproc_per_node, *self._grids)
+            self._ranks = _rank_coords(self.columns)
         return self._ranks
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """The fields of `ranks` as one list each (rank_columns), without an object per rank."""
+        if self._columns is None:
+            self._columns = rank_columns(self.world_size, self.nproc_per_node, *self._grids)
+        return self._columns
 
     def stage_ranks(self, pp_rank: int) -> list[int]:
         """Global ranks of pipeline stage `pp_rank`, ascending (== [r.rank for r in ranks if r.pp == pp_rank])."""
@@ -308,14 +316,24 @@ class _LazyGroups(dict):
         return dict.setdefault(self._materialize(), *a)
 
 
-def _rank_coords(world_size: int, nproc: int, dense: RankGrid, expert: RankGrid) -> list[RankCoords]:
-    ranks = []
-    for r in range(world_size):
-        d, e = dense.coords(r), expert.coords(r)
-        ranks.append(RankCoords(rank=r, name=gpu_name(r, nproc), node=r // nproc, gpu=r % nproc,
-                                tp=d["tp"], cp=d["cp"], dp=d["dp"], pp=d["pp"],
-                                ep=e["ep"], etp=e["tp"], edp=e["dp"]))
-    return ranks
+def rank_columns(world_size: int, nproc: int, dense: RankGrid, expert: RankGrid) -> dict[str, list]:
+    """RankCoords' fields as one list per field, indexed by global rank: each coordinate is one digit of the rank
+    in its generator's mixed radix (RankGrid.coords), computed per column rather than per rank."""
+    def digit(grid: RankGrid, token: str) -> list[int]:
+        stride = _prefix_product(grid.ordered_size)
+        i = grid.tokens.index(token)
+        s, d = grid.ordered_size[i], stride[i]
+        return [0] * world_size if s == 1 else [(r // d) % s for r in range(world_size)]
+
+    rng = range(world_size)
+    return {"rank": list(rng), "name": [gpu_name(r, nproc) for r in rng], "node": [r // nproc for r in rng],
+            "gpu": [r % nproc for r in rng], "tp": digit(dense, "tp"), "cp": digit(dense, "cp"),
+            "dp": digit(dense, "dp"), "pp": digit(dense, "pp"), "ep": digit(expert, "ep"),
+            "etp": digit(expert, "tp"), "edp": digit(expert, "dp")}
+
+
+def _rank_coords(columns: dict[str, list]) -> list[RankCoords]:
+    return [RankCoords(*row) for row in zip(*columns.values())]  # rank_columns lists them in field order
 
 
 def layout_from_config(cfg) -> ParallelLayout:

@@ -43,9 +43,10 @@ def _stage_of_rank(report) -> dict[int, object]:
 
 
 def _ranks_by_stage(report) -> dict[int, list]:
+    """Global ranks of each stage, ascending."""
     out: dict[int, list] = {}
-    for rc in report.layout.ranks:
-        out.setdefault(rc.pp, []).append(rc)
+    for r, p in enumerate(report.layout.columns["pp"]):
+        out.setdefault(p, []).append(r)
     return out
 
 
@@ -165,16 +166,18 @@ def _text_memory(report) -> list[str]:
     return lines
 
 
-def _rank_list(ranks: list) -> str:
-    names = [rc.name for rc in ranks]
-    return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({len(names)} GPUs)"
+def _rank_list(layout, ranks: list) -> str:
+    """GPU names of global ranks `ranks` (ascending), the first and the last when more than three."""
+    if len(ranks) <= 3:
+        return ", ".join(layout.name(r) for r in ranks)
+    return f"{layout.name(ranks[0])} .. {layout.name(ranks[-1])} ({len(ranks)} GPUs)"
 
 
 def _text_rank_table(report) -> list[str]:
     by_stage = _ranks_by_stage(report)
     rows = []
     for r in report.estimate.ranks:
-        rows.append([str(r.pp_rank), _rank_list(by_stage[r.pp_rank]), human_count(r.params),
+        rows.append([str(r.pp_rank), _rank_list(report.layout, by_stage[r.pp_rank]), human_count(r.params),
                      *(gib(r.bytes[c]) for c in CATEGORIES), gib(r.peak_bytes), str(r.in_flight_max), r.peak_phase])
     return _table(rows, ["pp", "GPUs", "params", "weights", "grads", "optim", "activ", "other", "peak GiB",
                          "in flight", "peak phase"], right={2, 3, 4, 5, 6, 7, 8, 9})
@@ -197,7 +200,7 @@ def _text_comm(report, detail: bool = True) -> list[str]:
     for c in _merge_equal_rows(colls):
         shape = "x".join(str(d) for d in c.shape)
         ranks = c.ranks
-        who = _rank_list([report.layout.ranks[r] for r in ranks])
+        who = _rank_list(report.layout, ranks)
         rows.append([c.dim, c.op + (f" ({c.direction})" if c.direction else ""), c.what, c.phase,
                      f"{c.group} ({c.group_size})", f"{shape} {c.dtype}", mib(c.bytes), str(c.per_microbatch) if c.per_microbatch else "-",
                      str(c.per_iteration), mib(c.wire_bytes_per_iteration), gib(c.cluster_bytes_per_iteration),
@@ -421,19 +424,31 @@ def _int(x: float) -> int:
     return int(round(x))
 
 
-def to_json(report) -> dict:
+def rank_record(rc, r) -> dict:
+    """The JSON record of global rank `rc` (parallel.RankCoords), whose stage's estimate is `r`."""
+    return {"rank": rc.rank, "name": rc.name,
+            "coords": {"tp": rc.tp, "cp": rc.cp, "ep": rc.ep, "dp": rc.dp, "pp": rc.pp, "etp": rc.etp, "edp": rc.edp},
+            "params": r.params, "expert_params": r.expert_params,
+            "bytes": {c: _int(r.bytes[c]) for c in CATEGORIES},
+            "peak_bytes": _int(r.peak_bytes), "peak_phase": r.peak_phase}
+
+
+def worst_rank(report) -> int:
+    """The first global rank whose (rounded) peak is the highest: ranks of a stage share their peak, so this is
+    the first rank of the first stage with the highest one."""
+    peaks = {r.pp_rank: _int(r.peak_bytes) for r in report.estimate.ranks}
+    top = max(peaks.values())
+    worst = {p for p, b in peaks.items() if b == top}
+    return next(r for r, p in enumerate(report.layout.columns["pp"]) if p in worst)
+
+
+def to_json(report, ranks=None, groups=None, communication=None) -> dict:
+    """The JSON document. `ranks`, `groups`, `communication`: stand-ins for those members (report_json writes
+    them itself, fast)."""
     cfg, est, layout = report.cfg, report.estimate, report.layout
-    stage = _stage_of_rank(report)
-    ranks = []
-    for rc in layout.ranks:
-        r = stage[rc.pp]
-        ranks.append({"rank": rc.rank, "name": rc.name,
-                      "coords": {"tp": rc.tp, "cp": rc.cp, "ep": rc.ep, "dp": rc.dp, "pp": rc.pp,
-                                 "etp": rc.etp, "edp": rc.edp},
-                      "params": r.params, "expert_params": r.expert_params,
-                      "bytes": {c: _int(r.bytes[c]) for c in CATEGORIES},
-                      "peak_bytes": _int(r.peak_bytes), "peak_phase": r.peak_phase})
-    worst_rank = next(r["rank"] for r in ranks if r["peak_bytes"] == max(x["peak_bytes"] for x in ranks))
+    if ranks is None:
+        stage = _stage_of_rank(report)
+        ranks = [rank_record(rc, stage[rc.pp]) for rc in layout.ranks]
     stages = []
     for r in est.ranks:
         ops = []
@@ -453,12 +468,12 @@ def to_json(report) -> dict:
         "modelled_features": features.modelled(cfg),
         "schedule": est.schedule,
         "max_peak_bytes": _int(est.max_peak_bytes),
-        "max_peak_rank": worst_rank,
+        "max_peak_rank": worst_rank(report),
         "max_peak_pp_rank": est.max_peak_pp_rank,
         "ranks": ranks,
         "stages": stages,
-        "groups": {k: [list(g) for g in v] for k, v in layout.groups.items()},
-        "communication": report.comm.to_dict(),
+        "groups": groups if groups is not None else {k: [list(g) for g in v] for k, v in layout.groups.items()},
+        "communication": communication if communication is not None else report.comm.to_dict(),
         "memory_budget": _budget(report).to_dict(),
     }
 

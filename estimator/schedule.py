@@ -9,6 +9,9 @@ backward) are counted per step by p2p_counts.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+from math import isfinite
+
 from estimator._record import dataclass, field
 
 Step = tuple  # Tuple[str, int, int]: ("F" | "B", microbatch, model chunk)
@@ -146,7 +149,7 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
     p2p: bytes of one pipeline p2p tensor; with recv / sends (p2p_flags) and interleaved, the p2p tensors that
     p2p_counts finds live are added on top of each step's transient and of the optimizer step's."""
     counts, end = p2p_counts([(k, c) for k, _, c in steps], recv, sends, interleaved) if p2p else ((), 0)
-    level = float(static_bytes)
+    level = static_bytes  # integers and Fractions stay exact (the tests' exact reference)
     peak, where, at = level, "start", -1
     live = best = 0
     events: List[Event] = []
@@ -202,8 +205,9 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
 # strictly highest (d > 0); only units 0, 1 (or m-2) and m-1 are looked at, and a run whose highest possible top
 # (highest level + largest transient + every p2p tensor) cannot beat the peak so far is not looked at. All this
 # holds exactly only while every sum is exact in floating point, so the short walk is taken only when all byte
-# counts are integers and every partial sum stays below 2**53; otherwise the full schedule is simulated.
-# tests/test_estimator_speed_equivalence.py checks both against each other.
+# counts are integers and every partial sum stays below 2**53; otherwise the walk runs on exact numbers (Python
+# integers, or Fractions for fractional byte counts) and rounds its results once, so its cost never depends on the
+# number of microbatches. tests/test_estimator_speed_equivalence.py checks it against the step-by-step simulation.
 
 _EXACT = float(1 << 53)
 
@@ -216,6 +220,23 @@ def _exact(values, total: int) -> bool:
     except (TypeError, ValueError, OverflowError):
         return False
     return sum(map(abs, floats)) * (total + 2) < _EXACT
+
+
+def _rational(x):
+    """x as an exact number: an int when integral, else the Fraction equal to it; None when not finite."""
+    if isinstance(x, (int, Fraction)):
+        return x
+    x = float(x)
+    if not isfinite(x):
+        return None
+    return int(x) if x.is_integer() else Fraction(x)
+
+
+class _ExactChunk:
+    __slots__ = ("saved", "fwd_extra", "bwd_extra")
+
+    def __init__(self, saved, fwd_extra, bwd_extra):
+        self.saved, self.fwd_extra, self.bwd_extra = saved, fwd_extra, bwd_extra
 
 
 def _chunk_runs(lo: int, hi: int, vp: Optional[int], g: int, M: int, reverse: bool) -> List[Tuple[int, int]]:
@@ -438,8 +459,9 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
                   p2p: float = 0.0) -> Tuple[RankTimeline, float]:
     """(simulate(order(pp, rank, M, vp, group), chunks, ..., warmup=warmup_count(...), p2p=p2p,
     recv/sends=p2p_flags(pp, rank, vp), interleaved=vp > 1), saved activation bytes live at the peak step (0.0 at
-    the optimizer step or at the start)), without building the step list when the arithmetic is exact. Same
-    numbers, phase text and indices as the full simulation."""
+    the optimizer step or at the start)), without building the step list: its cost depends on pp, vp and the
+    group size, not on M. Same phase text and indices as the full simulation, and the same numbers as it gives in
+    exact arithmetic (equal to its floating-point ones while every partial sum is an exact float)."""
     vp = vp if vp and vp > 1 else None
     total = M * (vp or 1)
     used = chunks[: vp or 1]
@@ -448,19 +470,15 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     if p2p:
         vals.append(p2p * (2 * len(used) + 2))
     if not _exact(vals, total):
-        steps = order(pp, rank, M, vp, group)
-        tl = simulate(steps, chunks, static_bytes, optimizer_transient, warmup=warmup_count(pp, rank, M, vp, group),
-                      p2p=p2p, recv=recv, sends=sends, interleaved=bool(vp))
-        if tl.peak_phase == "optimizer step":
-            return tl, 0.0
-        level = 0.0
-        for i, (kind, _, c) in enumerate(steps[: tl.peak_index + 1]):
-            if kind == "F":
-                level += chunks[c].saved
-            elif i < tl.peak_index:
-                level -= chunks[c].saved
-        return tl, level
-
+        exact = [_rational(x) for x in (static_bytes, optimizer_transient, p2p)]
+        exact_chunks = [[_rational(x) for x in (ch.saved, ch.fwd_extra, ch.bwd_extra)] for ch in used]
+        if None in exact or any(None in c for c in exact_chunks):
+            return _simulated(pp, rank, M, chunks, static_bytes, optimizer_transient, vp, group, p2p, recv, sends)
+        static_bytes, optimizer_transient, p2p = exact
+        used = [_ExactChunk(*c) for c in exact_chunks]
+        level0 = static_bytes
+    else:
+        level0 = float(static_bytes)
     w = warmup_count(pp, rank, M, vp, group)  # order()'s warmup forwards (== the `warmup` simulate() is given)
     g = (group or pp) if vp else M
     if vp:
@@ -478,7 +496,6 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     if lim - first >= P:
         skip_from = first
         skip_to = first + ((lim - first) // P) * P
-    level0 = float(static_bytes)
     walk = _Walk(used, level0, recv, sends, bool(vp), p2p)
     cooldown = _chunk_runs(S_, total, vp, g, M, True)
     # Warmup forwards; the last precedes the first backward when there are no steady pairs.
@@ -543,4 +560,21 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     top = walk.level + (optimizer_transient + p2p_end * p2p if p2p else optimizer_transient)
     if top > peak:
         peak, at, where, act = top, 2 * total, "optimizer step", 0.0
-    return RankTimeline(peak, where, at, w + (1 if S_ > 0 else 0)), act
+    # exact numbers (the integer / Fraction walk) are rounded once, here
+    return RankTimeline(float(peak), where, at, w + (1 if S_ > 0 else 0)), float(act)
+
+
+def _simulated(pp, rank, M, chunks, static_bytes, optimizer_transient, vp, group, p2p, recv, sends):
+    """rank_timeline by the full simulation: only for byte counts that are not finite (no exact arithmetic)."""
+    steps = order(pp, rank, M, vp, group)
+    tl = simulate(steps, chunks, static_bytes, optimizer_transient, warmup=warmup_count(pp, rank, M, vp, group),
+                  p2p=p2p, recv=recv, sends=sends, interleaved=bool(vp))
+    if tl.peak_phase == "optimizer step":
+        return tl, 0.0
+    level = 0.0
+    for i, (kind, _, c) in enumerate(steps[: tl.peak_index + 1]):
+        if kind == "F":
+            level += chunks[c].saved
+        elif i < tl.peak_index:
+            level -= chunks[c].saved
+    return tl, level

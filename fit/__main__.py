@@ -67,10 +67,13 @@ def main(argv=None) -> int:
                     help="fit every traced module as its own op (default: fold sub-modules the estimator does not "
                          "model, e.g. core_attention.scale_mask_softmax, into their nearest modelled ancestor)")
     ap.add_argument("--show-when", action="store_true", help="print each formula's switch values")
+    ap.add_argument("--accept-damaged", action="store_true",
+                    help="fit traces that are damaged, truncated or of runs that did not end cleanly (refused by "
+                         "default; each is named in a warning)")
     args = ap.parse_args(argv)
     t0 = time.time()
     try:
-        runs, samples = load(args.traces, raw_ops=args.raw_ops)
+        runs, samples = load(args.traces, raw_ops=args.raw_ops, accept_damaged=args.accept_damaged)
         formulas = fit_all(samples, loo=not args.no_loo, max_terms=args.max_terms,
                            max_den=args.max_denominator, tolerance=args.tolerance,
                            peak_bound=args.peak_bound)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -136,16 +137,26 @@ def _is_run(path: str) -> bool:
     return os.path.isdir(path) and any(f.startswith("rank") and f.endswith(TRACE_SUFFIXES) for f in os.listdir(path))
 
 
-def parsed_run(path: str) -> tuple[list, dict, dict]:
+def parsed_run(path: str, accept_damaged: bool = False) -> tuple[list, dict, dict]:
     """(parsed ranks, rank 0's header, its config as the fit reads it) of one run directory; a run no fit can use
-    is a DatasetError naming it."""
+    is a DatasetError naming it. A damaged or truncated trace, or one of a run that did not end cleanly
+    (Trace.problems), is refused unless `accept_damaged`: a formula fitted from part of a run is silently wrong."""
+    import warnings
     from tracer.parse import parse_run  # the fitter reads parsed traces; imported late so basis/solve stay light
     try:
-        ranks = parse_run(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the reader's truncation warnings: problems() below
+            ranks = parse_run(path)
     except (OSError, ValueError) as exc:
         raise DatasetError(f"{path}: cannot parse: {exc}") from None
     if not ranks:
         raise DatasetError(f"{path}: no ranks")
+    for r in ranks:
+        for problem in r.trace.problems():
+            if not accept_damaged:
+                raise DatasetError(f"{path}: rank {r.rank}: {problem}; refusing to fit it (--accept-damaged "
+                                   f"fits it anyway)")
+            print(f"warning: {path}: rank {r.rank}: {problem}", file=sys.stderr)
     hdr = ranks[0].header or {}
     cfg = hdr.get("config")
     if not isinstance(cfg, dict):
@@ -161,8 +172,8 @@ def parsed_run(path: str) -> tuple[list, dict, dict]:
     return ranks, hdr, cfg
 
 
-def load_run(path: str, raw_ops: bool = False) -> tuple[RunInfo, list[Sample]]:
-    ranks, hdr, cfg = parsed_run(path)
+def load_run(path: str, raw_ops: bool = False, accept_damaged: bool = False) -> tuple[RunInfo, list[Sample]]:
+    ranks, hdr, cfg = parsed_run(path, accept_damaged)
     info = RunInfo(path=path, config=cfg, argv=list(hdr.get("argv", [])), device=str(hdr.get("device", "?")),
                    backend=str(hdr.get("backend", "?")), versions=dict(hdr.get("versions", {})),
                    world_size=int(hdr.get("world_size", len(ranks))), iterations=int(hdr.get("iterations", 0)),
@@ -361,10 +372,10 @@ def optimizer_transients(ranks: list) -> list[int]:
 
 
 
-def load(paths: list[str], raw_ops: bool = False) -> tuple[list[RunInfo], list[Sample]]:
+def load(paths: list[str], raw_ops: bool = False, accept_damaged: bool = False) -> tuple[list[RunInfo], list[Sample]]:
     runs, samples = [], []
     for p in expand_dirs(paths):
-        info, s = load_run(p, raw_ops)
+        info, s = load_run(p, raw_ops, accept_damaged)
         runs.append(info)
         samples.extend(s)
     return runs, samples

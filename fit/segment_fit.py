@@ -36,9 +36,9 @@ _WEIGHT_ATOMS = ["h*f/t", "h*h/t", "h*a*d/t", "h*g*d/t", "v*h/t", "h", "f/t", "a
 
 
 class Run:
-    def __init__(self, path: str):
+    def __init__(self, path: str, accept_damaged: bool = False):
         from tracer.segments import op_children
-        ranks, _, self.config = parsed_run(path)
+        ranks, _, self.config = parsed_run(path, accept_damaged)
         self.path = path
         self.switches = config_switches(self.config)
         self.point = point_of(self.config)
@@ -265,9 +265,10 @@ def _fit_one(label: str) -> tuple:
     return label, fit_label(label, [r for r in _RUNS if label in r.samples], {})
 
 
-def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1) -> dict:
+def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
+             accept_damaged: bool = False) -> dict:
     from estimator.formulas import FORMAT
-    runs = [Run(p) for p in expand_dirs(paths)]
+    runs = [Run(p, accept_damaged) for p in expand_dirs(paths)]
     runs = [r for r in runs if r.switches.get("recompute") != "full"]   # composed from the plain layer instead
     if not runs:
         raise DatasetError("no runs to fit")
@@ -299,9 +300,12 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", required=True, help="formula set to write")
     ap.add_argument("--name", default="cpu_compose")
     ap.add_argument("--jobs", type=int, default=1, help="labels fitted in parallel (processes)")
+    ap.add_argument("--accept-damaged", action="store_true",
+                    help="fit traces that are damaged, truncated or of runs that did not end cleanly (refused by "
+                         "default)")
     a = ap.parse_args(argv)
     try:
-        doc = fit_runs(a.paths, a.name, jobs=max(1, a.jobs))
+        doc = fit_runs(a.paths, a.name, jobs=max(1, a.jobs), accept_damaged=a.accept_damaged)
     except (DatasetError, OSError, ValueError) as exc:
         print(f"fit.segment_fit: error: {exc}", file=sys.stderr)
         return 2

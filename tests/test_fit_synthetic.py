@@ -6,6 +6,8 @@ estimator's loader reads the result back.
 """
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from fractions import Fraction as F
@@ -20,6 +22,8 @@ from estimator.formulas import variables
 from fit import basis, dataset, group, solve
 from fit.__main__ import main as fit_main
 from tracer.trace_reader import RECORD_DTYPE, write_trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 mono = basis.parse_monomial
 
@@ -131,7 +135,8 @@ def write_run(path, cfg, argv, recompute_extra=0):
     path.mkdir(parents=True, exist_ok=True)
     header = {"format": "megatron-memtrace", "version": 1, "rank": 0, "world_size": 1, "config": cfg,
               "argv": argv, "device": "synthetic", "backend": "host",
-              "versions": {"torch": "n/a", "megatron_core": "n/a"}, "iterations": 2, "target": "harness"}
+              "versions": {"torch": "n/a", "megatron_core": "n/a"}, "iterations": 2, "target": "harness",
+              "allocator_peak_bytes": 0}  # present: the run ended (its value is not what the fit reads)
     write_trace(str(path / "rank0"), w.records(), w.names, header=header)
 
 
@@ -201,6 +206,35 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "not a directory" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("module", ["fit", "fit.segment_fit"])
+@pytest.mark.parametrize("damage", ["cut", "flip", "killed"])
+def test_damaged_or_truncated_traces_are_refused_unless_accepted(grid_dirs, tmp_path, module, damage):
+    import shutil
+    _, dirs = grid_dirs
+    run = tmp_path / "run"
+    shutil.copytree(dirs[0], run)
+    trace = run / "rank0.trace"
+    data = bytearray(trace.read_bytes())
+    if damage == "cut":
+        data = data[:-100]
+    elif damage == "flip":
+        data[64 + 48 * 5 + 3] ^= 1
+    else:  # the rank's header was written at the start and never completed
+        hdr = json.loads((run / "rank0.json").read_text())
+        del hdr["allocator_peak_bytes"]
+        (run / "rank0.json").write_text(json.dumps(hdr))
+    trace.write_bytes(bytes(data))
+    cmd = [sys.executable, "-m", module, str(run), "-o", str(tmp_path / "x.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "--accept-damaged" in r.stderr
+    assert {"cut": "truncated", "flip": "damaged", "killed": "cut short"}[damage] in r.stderr
+    if module == "fit":   # accepted: read as far as it goes, with the problem named in a warning
+        r = subprocess.run(cmd + ["--no-loo", "--accept-damaged"], capture_output=True, text=True, cwd=ROOT)
+        assert "warning:" in r.stderr and "refusing" not in r.stderr, r.stderr
+        assert r.returncode == (0 if damage != "flip" else 2)   # a flip in the first block leaves no records
 
 
 def test_tp_never_varying_is_confined_or_refused(tmp_path):

@@ -65,9 +65,42 @@ def test_truncated_trace_warns_and_reports(run_dir, tmp_path):
     (tmp_path / "rank0.names").write_bytes(open(d / "rank0.names", "rb").read())
     r = report(tmp_path)
     assert r.returncode == 0 and "truncated" in r.stderr and "peak live memory" in r.stdout
+    assert "WARNING: truncated: the last block is cut short" in r.stdout
 
 
-@pytest.mark.parametrize("make", ["missing", "empty_dir", "bad_magic", "bad_version", "bad_json", "no_rank"])
+def test_damaged_block_is_reported_in_text_and_json(run_dir, tmp_path):
+    from tracer.trace_reader import read_trace, write_trace
+    d, _ = run_dir
+    t = read_trace(d / "rank0.trace")
+    write_trace(str(tmp_path / "rank0"), t.records, t.names, header=t.header, block_records=10)
+    data = bytearray((tmp_path / "rank0.trace").read_bytes())
+    data[64 + 48 * 11 * 2 + 48 * 3 + 9] ^= 4        # a pointer in block 2
+    (tmp_path / "rank0.trace").write_bytes(bytes(data))
+    r = report(tmp_path)
+    assert r.returncode == 0 and "damaged" in r.stderr
+    assert "WARNING: damaged: checksum mismatch in the block at slot 22; read the 20 records" in r.stdout
+    j = json.loads(report(tmp_path, "--json").stdout)["ranks"][0]
+    assert j["events"] == 20 and j["trace"]["complete"] is False and "slot 22" in j["trace"]["damage"]
+    assert j["trace"]["end_state"] == "clean" and j["trace"]["format_version"] == 2
+    clean = json.loads(report(d, "--json").stdout)["ranks"][0]["trace"]
+    assert clean["complete"] is True and clean["problems"] == [] and clean["damage"] is None
+
+
+def test_killed_run_is_reported(run_dir, tmp_path):
+    from tracer.trace_reader import END_SIGNAL, read_trace, write_trace
+    d, _ = run_dir
+    t = read_trace(d / "rank0.trace")
+    write_trace(str(tmp_path / "rank0"), t.records, t.names, end_state=END_SIGNAL, end_signal=9,
+                header={"config": {}, "rank": 0})
+    r = report(tmp_path)
+    assert r.returncode == 0 and "WARNING: the run was killed by signal SIGKILL" in r.stdout
+    assert "WARNING: the rank's header has no final allocator counters: the run was cut short" in r.stdout
+    j = json.loads(report(tmp_path, "--json").stdout)["ranks"][0]["trace"]
+    assert j["end_state"] == "signal" and j["end_signal"] == "SIGKILL" and len(j["problems"]) == 2
+
+
+@pytest.mark.parametrize("make", ["missing", "empty_dir", "bad_magic", "bad_version", "bad_json", "no_rank",
+                                  "no_names", "bad_names", "short_names"])
 def test_bad_input_one_line_exit_2(run_dir, tmp_path, make):
     d, _ = run_dir
     target, extra = tmp_path, []
@@ -80,10 +113,21 @@ def test_bad_input_one_line_exit_2(run_dir, tmp_path, make):
         (tmp_path / "rank0.trace").write_bytes(data[:8] + (9).to_bytes(4, "little") + data[12:])
     elif make == "bad_json":
         (tmp_path / "rank0.trace").write_bytes(data)
+        (tmp_path / "rank0.names").write_bytes(open(d / "rank0.names", "rb").read())
         (tmp_path / "rank0.json").write_text("{not json")
+    elif make.endswith("names"):
+        (tmp_path / "rank0.trace").write_bytes(data)
+        lines = open(d / "rank0.names", "rb").read().splitlines(keepends=True)
+        if make == "bad_names":
+            (tmp_path / "rank0.names").write_bytes(b"".join(lines[:2] + [b"\xff\t\n"] + lines[3:]))
+        elif make == "short_names":
+            (tmp_path / "rank0.names").write_bytes(b"".join(lines[:3]))
     elif make == "no_rank":
         target, extra = d, ["--rank", "5"]
     r = report(target, *extra)
     assert r.returncode == 2
     assert r.stderr.startswith("tracer.report: error:") and len(r.stderr.strip().splitlines()) == 1
     assert "Traceback" not in r.stderr
+    want = {"no_names": "rank0.names: missing", "bad_names": "damaged string table",
+            "short_names": "the string table ends at id 2"}.get(make)
+    assert want is None or want in r.stderr, r.stderr

@@ -52,14 +52,14 @@ def test_plain_file_wins_over_compressed(tmp_path):
 def test_cut_short_stream_reads_complete_records_and_warns(tmp_path, ext):
     plain, packed = compressed_copy(tmp_path, ext)
     raw = open(plain, "rb").read()
-    n_full = (len(raw) - 64) // 48
-    cut = raw[: 64 + 6 * 48 + 17]                      # six records and part of a seventh
+    n_full = len(read_trace(plain).records)
+    cut = raw[: 64 + 6 * 48 + 17]                      # the block header, five records and part of a sixth
     (packed / f"rank0.trace{ext}").write_bytes(COMPRESS[ext](cut))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         t = read_trace(str(packed / "rank0"))
     assert len(w) == 1 and "truncated" in str(w[0].message)
-    assert len(t.records) == 6 < n_full and t.truncated_bytes == 17
+    assert len(t.records) == 5 < n_full and t.truncated_bytes == 17 and "cut short" in t.cut_short
     # the compressed stream itself cut short: what decompressed is kept, with a warning
     whole = COMPRESS[ext](raw)
     (packed / f"rank0.trace{ext}").write_bytes(whole[: len(whole) - 12])
@@ -68,6 +68,7 @@ def test_cut_short_stream_reads_complete_records_and_warns(tmp_path, ext):
         t = read_trace(str(packed / "rank0"))
     assert len(w) == 1 and "truncated" in str(w[0].message)
     assert np.array_equal(t.records, read_trace(plain).records[: len(t.records)])
+    assert t.cut_short.startswith("the compressed stream ends early")
 
 
 def test_garbage_compressed_file_is_a_clear_error(tmp_path):

@@ -13,7 +13,7 @@ import warnings
 from collections import defaultdict
 
 from .parse import CATEGORIES, ParsedRank, parse_run
-from .trace_reader import TraceFormatError
+from .trace_reader import TraceFormatError, signal_name
 
 MiB = 1024 * 1024
 
@@ -56,9 +56,18 @@ def op_summary(pr: ParsedRank, iteration=None) -> list[dict]:
     return out
 
 
+def trace_state(pr: ParsedRank) -> dict:
+    """How complete the rank's trace is (FORMATS 2.1): format, how the writer stopped, damage, cuts."""
+    t = pr.trace
+    problems = t.problems()
+    return {"format_version": t.version, "end_state": t.end_state,
+            "end_signal": signal_name(t.end_signal) if t.end_state == "signal" else None, "damage": t.damage,
+            "cut_short": t.cut_short, "complete": not problems, "problems": problems}
+
+
 def rank_json(pr: ParsedRank, top: int = 20) -> dict:
     i = pr.peak_index
-    return {"rank": pr.rank, "coords": pr.header.get("coords"), "events": pr.n_events,
+    return {"rank": pr.rank, "coords": pr.header.get("coords"), "events": pr.n_events, "trace": trace_state(pr),
             "truncated_bytes": pr.trace.truncated_bytes, "peak_bytes": pr.peak_bytes, "peak_event": i,
             "peak_time_s": float(pr.t_ns[i]) / 1e9 if i >= 0 else None, "peak_phase": pr.peak_phase,
             "peak_scope_path": pr.peak_scope_path, "allocator_peak_bytes": pr.header.get("allocator_peak_bytes"),
@@ -102,8 +111,8 @@ def format_rank(pr: ParsedRank, top: int = 15) -> str:
     L = []
     coords = " ".join(f"{k}={v}" for k, v in (j["coords"] or {}).items())
     L.append(f"== rank {pr.rank}  {coords}  ({pr.n_events:,} events, backend {pr.trace.backend})")
-    if j["truncated_bytes"]:
-        L.append(f"   WARNING: truncated trace, {j['truncated_bytes']} trailing bytes dropped")
+    for p in j["trace"]["problems"]:
+        L.append(f"   WARNING: {p}")
     L.append(f"peak live memory: {mib(pr.peak_bytes)} MiB at t={j['peak_time_s'] or 0:.4f} s (event {pr.peak_index})")
     L.append(f"  phase of the peak: {pr.peak_phase}")
     if j["allocator_peak_bytes"] is not None:
