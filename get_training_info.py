@@ -7,16 +7,22 @@ import gc
 import os
 import sys
 
-if __name__ == "__main__":
+
+def main() -> None:
+    """The script, and the `get-training-info` console entry point."""
     # A one-shot run: cyclic garbage collection passes and the interpreter's teardown of every module and object
     # are pure overhead here (about a fifth of the wall time on a 2-core machine, benchmarks/estimator_speed.py).
     gc.disable()
-    from estimator.cli import main
+    from estimator.cli import main as run
 
-    rc = main(sys.argv[1:])
+    rc = run(sys.argv[1:])
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except BrokenPipeError:  # the reader went away (e.g. `| head`): nothing left to report
         pass
     os._exit(rc)
+
+
+if __name__ == "__main__":
+    main()

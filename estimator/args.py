@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from estimator import _record
+from estimator import _record, validate as V
 from estimator._record import dataclass, field
 
 
@@ -300,14 +300,14 @@ def _convert(flag: str, kind: str, raw: str, dest: str) -> Any:
         if kind == "float":
             return float(raw)
         if kind == "nproc":
-            return int(raw)
+            return V.nproc_per_node(raw)   # (n, warning): torchrun also takes 'gpu' and 'auto'
         if kind == "nnodes":
             # torchrun accepts "N" or an elastic range "MIN:MAX"; the largest size is the one to plan for.
             return max(int(part) for part in raw.split(":"))
         if kind == "layer_freq":
             return _moe_freq(raw)
-    except (ValueError, SyntaxError):
-        expected = {"nproc": "int", "nnodes": "int or MIN:MAX", "layer_freq": "int or list pattern"}.get(kind, kind)
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+        expected = {"nproc": "int, gpu or auto", "nnodes": "int or MIN:MAX", "layer_freq": "int or list pattern"}.get(kind, kind)
         raise ConfigError(f"argument {flag}: invalid {expected} value: {raw!r}") from None
     if dest in _CHOICES and raw not in _CHOICES[dest]:
         choices = ", ".join(repr(c) for c in _CHOICES[dest])
@@ -335,6 +335,11 @@ def _eval_list_expression(node: ast.AST) -> Any:
         return node.value
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _eval_list_expression(node.left), _eval_list_expression(node.right)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            # a pattern longer than any model is refused before it is built (a MemoryError or a hang otherwise)
+            length, times = (len(left), right) if isinstance(left, list) else (len(right), left)
+            if length * times > V.COUNT_LIMIT:
+                raise ValueError("pattern too long")
         return left + right if isinstance(node.op, ast.Add) else left * right
     raise ValueError("unsupported pattern")
 
@@ -387,6 +392,11 @@ def parse_args(argv: list[str]) -> TrainingConfig:
         from estimator import hf_config  # only with --hf-config
         for dest, value in hf_config.load_model_fields(given["hf_config"], ConfigError).items():
             setattr(cfg, dest, value)
+    nproc = given.pop("nproc_per_node", None)
+    if nproc is not None:
+        cfg.nproc_per_node, warning = nproc
+        if warning:
+            cfg.warnings.append(warning)
     use_rope = given.pop("_use_rotary_position_embeddings", False)
     add_position_embedding = given.pop("_add_position_embedding", True)
     for dest, value in given.items():
@@ -396,8 +406,10 @@ def parse_args(argv: list[str]) -> TrainingConfig:
         cfg.position_embedding_type = "rope"
     if not add_position_embedding and cfg.position_embedding_type != "rope":
         raise ConfigError("--no-position-embedding is deprecated, use --position-embedding-type")
+    V.check_fields(cfg, ConfigError)
     derive(cfg)
     validate(cfg)
+    V.check_scale(cfg, ConfigError)
     return cfg
 
 
@@ -412,11 +424,6 @@ def derive(cfg: TrainingConfig) -> None:
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
                  "seq_length", "micro_batch_size"):
         _require(cfg, dest)
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "nproc_per_node", "nnodes", "make_vocab_size_divisible_by"):
-        if getattr(cfg, dest) <= 0:
-            raise ConfigError(f"{dest} must be positive, got {getattr(cfg, dest)}")
 
     cfg.world_size = cfg.nproc_per_node * cfg.nnodes
     model_size = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.context_parallel_size
@@ -460,8 +467,6 @@ def derive(cfg: TrainingConfig) -> None:
     balancing = cfg.moe_router_load_balancing_type
     if isinstance(balancing, list) and len(balancing) == 1:
         cfg.moe_router_load_balancing_type = balancing[0]
-    if cfg.num_experts == 0:
-        cfg.num_experts = None
     if cfg.num_experts is not None and cfg.moe_ffn_hidden_size is None:
         cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
     if cfg.expert_model_parallel_size > 1 and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
@@ -660,6 +665,13 @@ def _validate_recompute(cfg: TrainingConfig) -> None:
                               f"num_layers_per_pipeline_rank: {cfg.num_layers // cfg.pipeline_model_parallel_size}")
     if cfg.recompute_granularity == "selective" and cfg.recompute_num_layers is not None:
         raise ConfigError("When using recompute_granularity: selective recompute_num_layers must be None.")
+    if cfg.recompute_granularity is not None and cfg.distribute_saved_activations and cfg.sequence_parallel:
+        raise ConfigError(f"distribute_saved_activations: {cfg.distribute_saved_activations} must be false when "
+                          f"sequence parallel is enabled: {cfg.sequence_parallel}")
+    if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform" and cfg.recompute_num_layers == 0:
+        # megatron-core's config accepts it, but its uniform checkpointing loop then never advances (a hung run)
+        raise ConfigError("--recompute-num-layers 0 with --recompute-method uniform: megatron-core's uniform "
+                          "recompute loop never advances; use --recompute-method block to recompute no layer")
 
 
 def _validate_moe(cfg: TrainingConfig) -> None:
@@ -671,6 +683,8 @@ def _validate_moe(cfg: TrainingConfig) -> None:
             raise ConfigError("Number of experts should be a multiple of expert model parallel_size.")
     if not cfg.is_moe:
         return
+    if cfg.add_bias_linear and cfg.expert_tensor_parallel_size != 1:
+        raise ConfigError("Bias in Moe is only supported when ETP==1")   # megatron-core's own check
     if (cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax
             and cfg.moe_router_load_balancing_type != "sinkhorn"):
         raise ConfigError("Please use --moe-router-pre-softmax when topk is 1.")   # megatron-core's own check

@@ -10,6 +10,7 @@ from estimator._record import dataclass
 
 from estimator import comm as C
 from estimator import formulas as F
+from estimator import invariants
 from estimator import jsonload
 from estimator import memory as MEM
 from estimator import model as MODEL
@@ -67,9 +68,9 @@ _PRESET_FLAGS: dict = {}  # name -> flags: presets are package data, read once p
 def _preset_flags(name: str) -> list[str]:
     flags = _PRESET_FLAGS.get(name)
     if flags is None:
-        path = os.path.join(PRESET_DIR, name + ".json")
-        if not os.path.isfile(path):
+        if name not in presets():   # a name, never a path: '../x' must not read a file elsewhere
             raise UsageError(f"unknown preset '{name}'; available: {', '.join(presets())}")
+        path = os.path.join(PRESET_DIR, name + ".json")
         with open(path) as fh:
             doc = jsonload.load(fh)
         flags = _PRESET_FLAGS[name] = [str(x) for x in doc["args"]]
@@ -95,6 +96,8 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
                     raise UsageError(f"{key} needs a value")
                 i += 1
                 val = argv[i]
+            if not val:
+                raise UsageError(f"{key} needs a value, got an empty one")
             if key == "--formulas":
                 own["formulas"] = val
             else:
@@ -121,15 +124,21 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     cfg = parse_args(megatron_argv)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
-    est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
+    try:
+        est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
+    except (ZeroDivisionError, OverflowError) as exc:   # a term like E**-1 with E = 0, or a float overflow
+        raise F.FormulaError(f"formula set {fset.name!r}: a formula cannot be evaluated for this config ({exc})") \
+            from None
     layout = PAR.layout_from_config(cfg)
     comm = C.communication(cfg, layout, chunks)
-    return Report(cfg, fset, est, layout, comm)
+    report = Report(cfg, fset, est, layout, comm)
+    invariants.check(report)
+    return report
 
 
 def dumps_indent1(obj) -> str:
-    """json.dumps(obj, indent=1), byte for byte, for the JSON types the report holds (dict, list, tuple, str, int,
-    float, bool, None). json's encoder is pure Python once an indent is asked for; this one is a little faster.
+    """json.dumps(obj, indent=1, allow_nan=False), byte for byte, for the JSON types the report holds (dict, list,
+    tuple, str, int, float, bool, None). json's encoder is pure Python once an indent is asked for; this one is a little faster.
     Any other type goes to json.dumps for that value (so an unsupported one still raises TypeError there)."""
     enc = jsonload.encode_string
     out: list = []
@@ -139,12 +148,9 @@ def dumps_indent1(obj) -> str:
     inf = float("inf")
 
     def fl(o):
-        if o != o:
-            return "NaN"
-        if o == inf:
-            return "Infinity"
-        if o == -inf:
-            return "-Infinity"
+        if o != o or o == inf or o == -inf:
+            # strict JSON (json.dumps(allow_nan=False)'s message): NaN and Infinity are not JSON
+            raise ValueError(f"Out of range float values are not JSON compliant: {o!r}")
         return float_repr(o)
 
     def key(k):
@@ -201,7 +207,7 @@ def dumps_indent1(obj) -> str:
             emit("\n" + " " * level + "}")
         else:
             import json
-            text = json.dumps(o, indent=1)  # raises TypeError as json.dump would
+            text = json.dumps(o, indent=1, allow_nan=False)  # raises TypeError as json.dump would
             emit(text.replace("\n", "\n" + " " * level))
 
     walk(obj, 0)
@@ -216,15 +222,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(USAGE.format(presets=", ".join(presets()) or "none", sets=", ".join(F.shipped_sets())))
             return 0
         report = build_report(argv)
-    except (ConfigError, F.FormulaError, PAR.ParallelConfigError) as exc:
+    except (ConfigError, F.FormulaError, PAR.ParallelConfigError, invariants.EstimateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    if own["json"]:
-        sys.stdout.write(dumps_indent1(R.to_json(report)))
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(R.to_text(report))
+    try:
+        if own["json"]:
+            sys.stdout.write(dumps_indent1(R.to_json(report)))
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(R.to_text(report))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`--json | head -1`): nothing left to say. stdout now points at /dev/null so the
+        # interpreter's own flush at exit stays quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
