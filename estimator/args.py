@@ -655,8 +655,6 @@ def _validate_recompute(cfg: TrainingConfig) -> None:
                               "granularity")
         if cfg.recompute_method is None:
             raise ConfigError("for distributed recompute activations to work you need to use a recompute method")
-    if cfg.recompute_granularity == "selective" and cfg.recompute_method is not None:
-        raise ConfigError("recompute method is not yet supported for selective recomputing granularity")
     if cfg.recompute_granularity == "full":
         if cfg.recompute_method is None:
             raise ConfigError('Using recompute_granularity: full so recompute_method must be "block" or "uniform"')
