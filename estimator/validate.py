@@ -15,16 +15,17 @@ import math
 COUNT_LIMIT = 10 ** 7            # GPUs, layers, experts, microbatches per iteration
 DIM_LIMIT = 2 ** 31 - 1          # one dimension of a tensor (hidden, ffn, heads, sequence, vocabulary, batch)
 INT64_MAX = 2 ** 63 - 1
-# The estimator lists a stage's parameters per layer and per local expert; more modules than this on one GPU
-# (the deepest models have a few hundred layers; DeepSeek-V3 without expert parallelism ~15,000 experts) is not
-# a model anyone can train, and would take the estimator seconds per 10^5.
-MODULES_PER_GPU_LIMIT = 10 ** 5
+# The estimator lists parameters per layer and per local expert: the deepest trained models have a few hundred
+# layers and DeepSeek-V3 without expert parallelism holds ~15,000 experts per GPU. Past these bounds a model is
+# no one's, and listing it would take the estimator seconds (20,000 layers: about 1 s on the CI machine).
+LAYER_LIMIT = 20_000
+EXPERTS_PER_GPU_LIMIT = 500_000   # layers on one stage x local experts
 
 _ANY_NODE_GPUS = 8   # `--nproc_per_node gpu|auto`: the GPU count of the usual training node (DGX/HGX)
 
 # dest -> (minimum, maximum) for integer fields; the minimum's own message where Megatron has one.
 _INTS = {
-    "num_layers": (1, COUNT_LIMIT), "hidden_size": (1, DIM_LIMIT), "ffn_hidden_size": (1, DIM_LIMIT),
+    "num_layers": (1, LAYER_LIMIT), "hidden_size": (1, DIM_LIMIT), "ffn_hidden_size": (1, DIM_LIMIT),
     "num_attention_heads": (1, DIM_LIMIT), "num_query_groups": (1, DIM_LIMIT), "kv_channels": (1, DIM_LIMIT),
     "seq_length": (1, DIM_LIMIT), "max_position_embeddings": (1, DIM_LIMIT), "rotary_base": (1, INT64_MAX),
     "vocab_size": (1, DIM_LIMIT), "make_vocab_size_divisible_by": (1, DIM_LIMIT),
@@ -84,7 +85,10 @@ def check_value(dest: str, value, error_cls, where: str | None = None):
         lo, hi, lo_incl = _FLOATS[dest]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise error_cls(f"{name}: expected a number, got {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:   # an integer past any float (a HF config may hold 10**400)
+            raise error_cls(f"{name} must be a finite number, got {value}") from None
         if dest.endswith("_dropout") and not 0.0 <= value <= 1.0:
             # torch.nn.Dropout's own message (NaN fails it too)
             raise error_cls(f"{name}: dropout probability has to be between 0 and 1, but got {value}")
@@ -120,11 +124,10 @@ def check_scale(cfg, error_cls) -> None:
     stage_layers = max(cfg.decoder_first_pipeline_num_layers or 0, cfg.decoder_last_pipeline_num_layers or 0,
                        -(-cfg.num_layers // pp))
     local_experts = -(-(cfg.num_experts or 0) // cfg.expert_model_parallel_size)
-    modules = stage_layers * (1 + local_experts)
-    if modules > MODULES_PER_GPU_LIMIT:
-        what = f"{stage_layers:,} layers" + (f" x (1 + {local_experts:,} local experts)" if local_experts else "")
-        raise error_cls(f"one GPU would hold {what} = {modules:,} modules: beyond any model the estimator covers "
-                        f"(at most {MODULES_PER_GPU_LIMIT:,}; use pipeline or expert parallelism)")
+    if stage_layers * local_experts > EXPERTS_PER_GPU_LIMIT:
+        raise error_cls(f"one GPU would hold {stage_layers:,} layers x {local_experts:,} local experts = "
+                        f"{stage_layers * local_experts:,} experts: beyond any model the estimator covers (at most "
+                        f"{EXPERTS_PER_GPU_LIMIT:,}; use pipeline or expert parallelism)")
 
 
 def nproc_per_node(raw: str) -> tuple:

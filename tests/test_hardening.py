@@ -45,8 +45,9 @@ def refused(args, capsys, *words):
     ("--num-experts 1000000000000", ["beyond any model or machine"]),
     ("--global-batch-size 1000000000000", ["microbatches per iteration", "beyond any training run"]),
     ("--nproc_per_node 1000000 --nnodes 1000", ["world size 1,000,000,000 GPUs"]),
-    ("--num-layers 200000", ["modules", "use pipeline or expert parallelism"]),
-    ("--num-layers 100 --num-experts 10000 --moe-router-topk 2 --disable-bias-linear", ["local experts"]),
+    ("--num-layers 200000", ["--num-layers 200000 is beyond any model or machine (at most 20,000)"]),
+    ("--num-layers 100 --num-experts 10000 --moe-router-topk 2 --disable-bias-linear",
+     ["100 layers x 10,000 local experts", "use pipeline or expert parallelism"]),
     ("--ffn-hidden-size -1", ["--ffn-hidden-size must be positive, got -1"]),
     ("--kv-channels -1", ["--kv-channels must be positive"]),
     ("--num-experts 4 --moe-ffn-hidden-size -1", ["--moe-ffn-hidden-size must be positive"]),
@@ -155,6 +156,7 @@ def hf_run(tmp_path, capsys, content, name="config.json"):
     ({"num_local_experts": 8, "num_experts_per_tok": "2"}, ["'num_experts_per_tok': expected an integer"]),
     ({"hidden_act": 3}, ["'hidden_act' must be a string"]),
     ({"vocab_size": 10 ** 12}, ["'vocab_size' 1000000000000 is beyond"]),
+    ({"attention_dropout": 10 ** 400}, ["'attention_dropout' must be a finite number"]),
 ])
 def test_hf_config_bad_fields_are_one_line(tmp_path, capsys, change, words):
     rc, out, err = hf_run(tmp_path, capsys, {**LLAMA, **change})
