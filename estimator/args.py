@@ -80,6 +80,7 @@ class TrainingConfig:
     moe_router_pre_softmax: bool = False
     moe_router_score_function: str = "softmax"
     moe_router_load_balancing_type: Any = "aux_loss"   # one type, or a list (Megatron-LM: nargs='+')
+    moe_aux_loss_coeff: Any = 0.0   # one coefficient, or one per load-balancing type (nargs='+')
     # --- parallelism ---
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -235,6 +236,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--moe-router-pre-softmax": ("moe_router_pre_softmax", "true"),
     "--moe-router-score-function": ("moe_router_score_function", "str"),
     "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "list"),
+    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", "list"),
     "--tensor-model-parallel-size": ("tensor_model_parallel_size", "int"),
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
@@ -467,6 +469,7 @@ def derive(cfg: TrainingConfig) -> None:
     balancing = cfg.moe_router_load_balancing_type
     if isinstance(balancing, list) and len(balancing) == 1:
         cfg.moe_router_load_balancing_type = balancing[0]
+    _derive_aux_loss_coeff(cfg)
     if cfg.num_experts is not None and cfg.moe_ffn_hidden_size is None:
         cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
     if cfg.expert_model_parallel_size > 1 and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
@@ -488,6 +491,22 @@ def derive(cfg: TrainingConfig) -> None:
     cfg.expert_data_parallel_size = cfg.world_size // etp_ep_pp
     micro_times_dp = cfg.micro_batch_size * cfg.data_parallel_size
     cfg.num_microbatches = max(1, cfg.global_batch_size // micro_times_dp)
+
+
+def _derive_aux_loss_coeff(cfg: TrainingConfig) -> None:
+    """--moe-aux-loss-coeff (nargs='+', floats): one value becomes a number, as Megatron-LM unpacks it."""
+    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if getattr(cfg, dest) == []:
+            raise ConfigError(f"argument {V.flag_name(dest)}: expected at least one argument")
+    coeff = cfg.moe_aux_loss_coeff
+    if isinstance(coeff, list):
+        try:
+            coeff = [float(c) for c in coeff]
+        except ValueError:
+            raise ConfigError(f"argument --moe-aux-loss-coeff: invalid float value: {coeff!r}") from None
+        if not all(math.isfinite(c) for c in coeff):
+            raise ConfigError(f"--moe-aux-loss-coeff must be finite numbers, got {coeff}")
+        cfg.moe_aux_loss_coeff = coeff[0] if len(coeff) == 1 else coeff
 
 
 def _derive_precision(cfg: TrainingConfig) -> None:
@@ -673,6 +692,10 @@ def _validate_recompute(cfg: TrainingConfig) -> None:
 
 
 def _validate_moe(cfg: TrainingConfig) -> None:
+    balancing, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
+    if isinstance(balancing, list) and not (isinstance(coeff, list) and len(coeff) == len(balancing)):
+        raise ConfigError("moe_aux_loss_coeff must be a list of the same length as "
+                          "moe_router_load_balancing_type")   # megatron-core's TransformerConfig check
     ep = cfg.expert_model_parallel_size
     if ep > 1:
         if cfg.num_experts is None:

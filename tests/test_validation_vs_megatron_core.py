@@ -63,6 +63,8 @@ GRID = [
     "--micro-batch-size 2 --global-batch-size 3", "--micro-batch-size 2 --global-batch-size 4 --nproc_per_node 2",
     "--micro-batch-size 0", "--global-batch-size 0", "--hidden-dropout 1.5", "--hidden-dropout nan",
     "--nproc_per_node 2 --nnodes 2 --tensor-model-parallel-size 4",
+    MOE + "--moe-router-load-balancing-type aux_loss seq_aux_loss",
+    MOE + "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001",
 ]
 
 # Refused by the estimator although megatron-core's start-up checks pass: the run would fail later, or Megatron-LM's
@@ -113,6 +115,9 @@ def _core_kwargs(given: dict) -> dict:
         account_for_embedding_in_pipeline_split=bool(g("account_for_embedding_in_pipeline_split")),
         num_moe_experts=g("num_experts"), moe_router_topk=g("moe_router_topk", 2),
         moe_router_pre_softmax=bool(g("moe_router_pre_softmax")),
+        # nargs='+' lists; Megatron-LM unpacks a single value
+        moe_router_load_balancing_type=_unpack(g("moe_router_load_balancing_type", "aux_loss")),
+        moe_aux_loss_coeff=_unpack([float(c) for c in g("moe_aux_loss_coeff", [0.0])]),
         moe_ffn_hidden_size=g("moe_ffn_hidden_size"),
         moe_shared_expert_intermediate_size=g("moe_shared_expert_intermediate_size"),
         add_bias_linear=g("add_bias_linear", True),
@@ -123,6 +128,10 @@ def _core_kwargs(given: dict) -> dict:
         hidden_dropout=g("hidden_dropout", 0.1), attention_dropout=g("attention_dropout", 0.1),
         pipeline_dtype=torch.float32,
     )
+
+
+def _unpack(values):
+    return values[0] if isinstance(values, list) and len(values) == 1 else values
 
 
 def megatron_core_accepts(argv: list) -> tuple:
