@@ -18,51 +18,82 @@ class EstimateError(ValueError):
 
 
 def _bad(x) -> bool:
-    """Negative beyond float rounding (the JSON report rounds to whole bytes), NaN or infinite."""
-    return not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x <= -0.5
+    """Negative beyond float rounding (the JSON report rounds to whole bytes), NaN, infinite or not a number."""
+    return not isinstance(x, (int, float)) or isinstance(x, bool) or not _finite(x) or x <= -0.5
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:   # an int past any float
+        return False
+
+
+def _all_good(values: list) -> bool:
+    """No value is _bad, in one pass for the common case (a NaN or an infinity makes the sum non-finite)."""
+    try:
+        return not values or (min(values) > -0.5 and _finite(sum(values)))
+    except TypeError:   # a value that is not a number
+        return False
 
 
 def check(report) -> None:
     """Raise FormulaError (a formula is to blame) or EstimateError if any number of `report` is impossible."""
     est, fset = report.estimate, report.formula_set
     for r in est.ranks:
-        where = f"pipeline stage {r.pp_rank}"
-        for name in ("params", "expert_params", "in_flight_max"):
-            value = getattr(r, name)
-            if _bad(value) or value != int(value):
-                raise EstimateError(f"{name.replace('_', ' ')} on {where} is {value}: the model shape flags give "
-                                    f"an impossible model")
-        _check_formula_rows(r, fset, where)
-        for c in CATEGORIES:
-            if _bad(r.bytes[c]):
-                raise _blame(r, fset, f"{c.replace('_', ' ')} bytes on {where} are {r.bytes[c]}")
-        total = sum(r.bytes[c] for c in CATEGORIES)
-        if _bad(r.peak_bytes) or abs(total - r.peak_bytes) > 1.0 + 1e-9 * abs(r.peak_bytes):
-            raise _blame(r, fset, f"the categories on {where} sum to {total}, the peak is {r.peak_bytes}")
+        counts = (r.params, r.expert_params, r.in_flight_max)
+        cats = [r.bytes[c] for c in CATEGORIES]
+        if not (_all_good([*counts, *cats, r.peak_bytes]) and all(x.__class__ is int for x in counts)):
+            _stage_failure(r, fset)
+        if not _all_good([row.get(q, 0.0) for row in r.per_op.values() for q in ("saved", "fwd_peak", "bwd_peak")]):
+            _formula_row_failure(r, fset)
+        total = sum(cats)
+        if abs(total - r.peak_bytes) > 1.0 + 1e-9 * r.peak_bytes:
+            raise _blame(fset, f"the categories on pipeline stage {r.pp_rank} sum to {total}, the peak is "
+                               f"{r.peak_bytes}")
     top = max(r.peak_bytes for r in est.ranks)
     if est.max_peak_bytes != top:
         raise EstimateError(f"the maximum peak {est.max_peak_bytes} is not the largest stage peak {top}")
-    for c in report.comm.collectives:
-        for name in ("bytes", "per_microbatch", "per_iteration", "group_size"):
+    fields = ("bytes", "per_microbatch", "per_iteration", "group_size")
+    colls = report.comm.collectives
+    if _all_good([getattr(c, name) for c in colls for name in fields]):
+        return
+    for c in colls:
+        for name in fields:
             value = getattr(c, name)
             if _bad(value):
                 raise EstimateError(f"{c.dim} {c.op} ({c.what}): {name.replace('_', ' ')} is {value}: the "
                                     f"parallel layout or the model shape flags give an impossible message")
 
 
-def _check_formula_rows(r, fset, where: str) -> None:
-    """Per-op activation bytes from the formula set must be finite and not negative; a bad one names its op."""
+def _stage_failure(r, fset) -> None:
+    """Raise the error naming what is wrong on stage r (its counts and bytes failed the one-pass check)."""
+    where = f"pipeline stage {r.pp_rank}"
+    for name in ("params", "expert_params", "in_flight_max"):
+        value = getattr(r, name)
+        if _bad(value) or value != int(value):
+            raise EstimateError(f"{name.replace('_', ' ')} on {where} is {value}: the model shape flags give "
+                                f"an impossible model")
+    _formula_row_failure(r, fset)   # activations come from the formula set: name its op if one is to blame
+    for c in CATEGORIES:
+        if _bad(r.bytes[c]):
+            raise _blame(fset, f"{c.replace('_', ' ')} bytes on {where} are {r.bytes[c]}")
+    raise _blame(fset, f"the peak on {where} is {r.peak_bytes}")
+
+
+def _formula_row_failure(r, fset) -> None:
+    """Raise FormulaError naming the first op whose bytes are negative, NaN or infinite, if any."""
     for op, row in r.per_op.items():
         for q in ("saved", "fwd_peak", "bwd_peak"):
             x = row.get(q, 0.0)
             if _bad(x):
-                why = "a negative formula" if x < 0 else "a coefficient or exponent too large"
-                raise FormulaError(f"formula set {_set_name(fset)}: op {op!r} gives {q} = {x:g} bytes on {where} "
-                                   f"for this config ({why})")
+                why = "a negative formula" if _finite(x) else "a coefficient or exponent too large"
+                raise FormulaError(f"formula set {_set_name(fset)}: op {op!r} gives {q} = {x:g} bytes on pipeline "
+                                   f"stage {r.pp_rank} for this config ({why})")
 
 
-def _blame(r, fset, what: str) -> Exception:
-    """The error for an impossible total: its per-op rows passed, so the inputs as a whole are to blame."""
+def _blame(fset, what: str) -> Exception:
+    """The error for an impossible total whose per-op rows passed: the inputs as a whole are to blame."""
     return EstimateError(f"{what}: an input is out of the range the estimator models (formula set "
                          f"{_set_name(fset)})")
 

@@ -100,14 +100,22 @@ def check_value(dest: str, value, error_cls, where: str | None = None):
 
 def check_fields(cfg, error_cls) -> None:
     """Every numeric field of a TrainingConfig as given (flags and HF config merged), before derivation.
-    None (not given) passes; fields not in the tables (flags another part of the estimator records) need only be
-    finite, so no NaN or Infinity reaches the JSON report."""
-    for name, value in vars(cfg).items():
-        if value is None or name.startswith("_") or (name.startswith("moe_") and not cfg.num_experts):
-            continue   # MoE settings without experts are never read (Megatron ignores them too)
-        if name in _INTS or name in _FLOATS:
+    None (not given) passes; MoE fields count only with experts; fields not in the tables (flags another part of
+    the estimator records) need only be finite, so no NaN or Infinity reaches the JSON report. The loops test the
+    common case inline (this runs for every estimate); check_value words any failure."""
+    values = vars(cfg)
+    moe = bool(values.get("num_experts"))
+    for name, (lo, hi) in _INTS.items():
+        value = values.get(name)
+        if value is None or (value.__class__ is int and lo <= value <= hi) or (name[:4] == "moe_" and not moe):
+            continue
+        check_value(name, value, error_cls)
+    for name in _FLOATS:
+        value = values.get(name)
+        if value is not None and not (name[:4] == "moe_" and not moe):
             check_value(name, value, error_cls)
-        elif isinstance(value, float) and not math.isfinite(value):
+    for name, value in values.items():
+        if value.__class__ is float and value - value != 0.0 and name not in _FLOATS:   # NaN or +-inf
             raise error_cls(f"{flag_name(name)} must be a finite number, got {value}")
 
 
