@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test bench accuracy clean
+.PHONY: example test bench fuzz accuracy clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: $(VENV)/.test-ready
 	$(PY) benchmarks/tracer_speed.py
 	$(PY) benchmarks/parse_speed.py
 	$(PY) benchmarks/search_speed.py
+
+# Seeded fuzzing of every input (command lines, formula sets, HF configs, traces): 2,000 cases per kind, 200 traces.
+fuzz: $(VENV)/.test-ready
+	$(PY) benchmarks/fuzz.py $(FUZZ_ARGS)
 
 # Held-out CPU configs: measured peak vs predicted with the fitted and the modelled set (about 10 min on 2 cores).
 accuracy: $(VENV)/.test-ready

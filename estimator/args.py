@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from estimator import _record, flag_policy
+from estimator import _record, flag_policy, validate as V
 from estimator._record import dataclass, field
 
 
@@ -80,6 +80,7 @@ class TrainingConfig:
     moe_router_pre_softmax: bool = False
     moe_router_score_function: str = "softmax"
     moe_router_load_balancing_type: Any = "aux_loss"   # one type, or a list (Megatron-LM: nargs='+')
+    moe_aux_loss_coeff: Any = 0.0   # one coefficient, or one per load-balancing type (nargs='+')
     # --- parallelism ---
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -267,6 +268,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--moe-router-pre-softmax": ("moe_router_pre_softmax", "true"),
     "--moe-router-score-function": ("moe_router_score_function", "str"),
     "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "list"),
+    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", "list"),
     "--tensor-model-parallel-size": ("tensor_model_parallel_size", "int"),
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
@@ -354,14 +356,14 @@ def _convert(flag: str, kind: str, raw: str, dest: str) -> Any:
         if kind == "float":
             return float(raw)
         if kind == "nproc":
-            return int(raw)
+            return V.nproc_per_node(raw)   # (n, warning): torchrun also takes 'gpu' and 'auto'
         if kind == "nnodes":
             # torchrun accepts "N" or an elastic range "MIN:MAX"; the largest size is the one to plan for.
             return max(int(part) for part in raw.split(":"))
         if kind == "layer_freq":
             return _moe_freq(raw)
-    except (ValueError, SyntaxError):
-        expected = {"nproc": "int", "nnodes": "int or MIN:MAX", "layer_freq": "int or list pattern"}.get(kind, kind)
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+        expected = {"nproc": "int, gpu or auto", "nnodes": "int or MIN:MAX", "layer_freq": "int or list pattern"}.get(kind, kind)
         raise ConfigError(f"argument {flag}: invalid {expected} value: {raw!r}") from None
     if dest in _CHOICES and raw not in _CHOICES[dest]:
         choices = ", ".join(repr(c) for c in _CHOICES[dest])
@@ -389,6 +391,11 @@ def _eval_list_expression(node: ast.AST) -> Any:
         return node.value
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _eval_list_expression(node.left), _eval_list_expression(node.right)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            # a pattern longer than any model is refused before it is built (a MemoryError or a hang otherwise)
+            length, times = (len(left), right) if isinstance(left, list) else (len(right), left)
+            if length * times > V.COUNT_LIMIT:
+                raise ValueError("pattern too long")
         return left + right if isinstance(node.op, ast.Add) else left * right
     raise ValueError("unsupported pattern")
 
@@ -452,7 +459,10 @@ def _tokenize(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
                     raise ConfigError(f"argument {flag}: expected one argument")
                 inline = argv[i]
                 i += 1
-            given[dest] = _convert(flag, kind, inline, dest)
+            value = _convert(flag, kind, inline, dest)
+            if kind == "nproc":   # (n, warning): torchrun also takes 'gpu' and 'auto'; the last flag given wins
+                value, given["_nproc_warning"] = value
+            given[dest] = value
     return given, ignored, conservative
 
 
@@ -477,6 +487,9 @@ def config_from(given: dict, ignored: list, conservative: list) -> TrainingConfi
     """A validated TrainingConfig from tokenize's parts (`given` is not changed)."""
     given = dict(given)
     cfg = TrainingConfig()
+    nproc_warning = given.pop("_nproc_warning", None)   # `--nproc_per_node gpu|auto` (validate.nproc_per_node)
+    if nproc_warning:
+        cfg.warnings.append(nproc_warning)
     use_rope = given.pop("_use_rotary_position_embeddings", False)
     add_position_embedding = given.pop("_add_position_embedding", True)
     for dest, value in given.items():
@@ -487,8 +500,10 @@ def config_from(given: dict, ignored: list, conservative: list) -> TrainingConfi
         cfg.position_embedding_type = "rope"
     if not add_position_embedding and cfg.position_embedding_type != "rope":
         raise ConfigError("--no-position-embedding is deprecated, use --position-embedding-type")
+    V.check_fields(cfg, ConfigError)
     derive(cfg)
     validate(cfg)
+    V.check_scale(cfg, ConfigError)
     return cfg
 
 
@@ -503,11 +518,6 @@ def derive(cfg: TrainingConfig) -> None:
     for dest in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
                  "seq_length", "micro_batch_size"):
         _require(cfg, dest)
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "nproc_per_node", "nnodes", "make_vocab_size_divisible_by"):
-        if getattr(cfg, dest) <= 0:
-            raise ConfigError(f"{dest} must be positive, got {getattr(cfg, dest)}")
 
     cfg.world_size = cfg.nproc_per_node * cfg.nnodes
     model_size = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * cfg.context_parallel_size
@@ -551,8 +561,7 @@ def derive(cfg: TrainingConfig) -> None:
     balancing = cfg.moe_router_load_balancing_type
     if isinstance(balancing, list) and len(balancing) == 1:
         cfg.moe_router_load_balancing_type = balancing[0]
-    if cfg.num_experts == 0:
-        cfg.num_experts = None
+    _derive_aux_loss_coeff(cfg)
     if cfg.num_experts is not None and cfg.moe_ffn_hidden_size is None:
         cfg.moe_ffn_hidden_size = cfg.ffn_hidden_size
     if cfg.expert_model_parallel_size > 1 and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
@@ -574,6 +583,22 @@ def derive(cfg: TrainingConfig) -> None:
     cfg.expert_data_parallel_size = cfg.world_size // etp_ep_pp
     micro_times_dp = cfg.micro_batch_size * cfg.data_parallel_size
     cfg.num_microbatches = max(1, cfg.global_batch_size // micro_times_dp)
+
+
+def _derive_aux_loss_coeff(cfg: TrainingConfig) -> None:
+    """--moe-aux-loss-coeff (nargs='+', floats): one value becomes a number, as Megatron-LM unpacks it."""
+    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if getattr(cfg, dest) == []:
+            raise ConfigError(f"argument {V.flag_name(dest)}: expected at least one argument")
+    coeff = cfg.moe_aux_loss_coeff
+    if isinstance(coeff, list):
+        try:
+            coeff = [float(c) for c in coeff]
+        except ValueError:
+            raise ConfigError(f"argument --moe-aux-loss-coeff: invalid float value: {coeff!r}") from None
+        if not all(math.isfinite(c) for c in coeff):
+            raise ConfigError(f"--moe-aux-loss-coeff must be finite numbers, got {coeff}")
+        cfg.moe_aux_loss_coeff = coeff[0] if len(coeff) == 1 else coeff
 
 
 def _derive_precision(cfg: TrainingConfig) -> None:
@@ -778,8 +803,6 @@ def _validate_recompute(cfg: TrainingConfig) -> None:
                               "granularity")
         if cfg.recompute_method is None:
             raise ConfigError("for distributed recompute activations to work you need to use a recompute method")
-    if cfg.recompute_granularity == "selective" and cfg.recompute_method is not None:
-        raise ConfigError("recompute method is not yet supported for selective recomputing granularity")
     if cfg.recompute_granularity == "full":
         if cfg.recompute_method is None:
             raise ConfigError('Using recompute_granularity: full so recompute_method must be "block" or "uniform"')
@@ -788,9 +811,20 @@ def _validate_recompute(cfg: TrainingConfig) -> None:
                               f"num_layers_per_pipeline_rank: {cfg.num_layers // cfg.pipeline_model_parallel_size}")
     if cfg.recompute_granularity == "selective" and cfg.recompute_num_layers is not None:
         raise ConfigError("When using recompute_granularity: selective recompute_num_layers must be None.")
+    if cfg.recompute_granularity is not None and cfg.distribute_saved_activations and cfg.sequence_parallel:
+        raise ConfigError(f"distribute_saved_activations: {cfg.distribute_saved_activations} must be false when "
+                          f"sequence parallel is enabled: {cfg.sequence_parallel}")
+    if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform" and cfg.recompute_num_layers == 0:
+        # megatron-core's config accepts it, but its uniform checkpointing loop then never advances (a hung run)
+        raise ConfigError("--recompute-num-layers 0 with --recompute-method uniform: megatron-core's uniform "
+                          "recompute loop never advances; use --recompute-method block to recompute no layer")
 
 
 def _validate_moe(cfg: TrainingConfig) -> None:
+    balancing, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
+    if isinstance(balancing, list) and not (isinstance(coeff, list) and len(coeff) == len(balancing)):
+        raise ConfigError("moe_aux_loss_coeff must be a list of the same length as "
+                          "moe_router_load_balancing_type")   # megatron-core's TransformerConfig check
     ep = cfg.expert_model_parallel_size
     if ep > 1:
         if cfg.num_experts is None:
@@ -799,6 +833,8 @@ def _validate_moe(cfg: TrainingConfig) -> None:
             raise ConfigError("Number of experts should be a multiple of expert model parallel_size.")
     if not cfg.is_moe:
         return
+    if cfg.add_bias_linear and cfg.expert_tensor_parallel_size != 1:
+        raise ConfigError("Bias in Moe is only supported when ETP==1")   # megatron-core's own check
     if (cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax
             and cfg.moe_router_load_balancing_type != "sinkhorn"):
         raise ConfigError("Please use --moe-router-pre-softmax when topk is 1.")   # megatron-core's own check

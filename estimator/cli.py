@@ -10,6 +10,7 @@ from estimator._record import dataclass
 
 from estimator import comm as C
 from estimator import formulas as F
+from estimator import invariants
 from estimator import jsonload
 from estimator import memory as MEM
 from estimator import model as MODEL
@@ -96,9 +97,9 @@ _PRESET_FLAGS: dict = {}  # name -> flags: presets are package data, read once p
 def _preset_flags(name: str) -> list[str]:
     flags = _PRESET_FLAGS.get(name)
     if flags is None:
-        path = os.path.join(PRESET_DIR, name + ".json")
-        if not os.path.isfile(path):
+        if name not in presets():   # a name, never a path: '../x' must not read a file elsewhere
             raise UsageError(f"unknown preset '{name}'; available: {', '.join(presets())}")
+        path = os.path.join(PRESET_DIR, name + ".json")
         with open(path) as fh:
             doc = jsonload.load(fh)
         flags = _PRESET_FLAGS[name] = [str(x) for x in doc["args"]]
@@ -143,6 +144,8 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
                     raise UsageError(f"{name} needs a value")
                 i += 1
                 val = argv[i]
+            if not val:
+                raise UsageError(f"{name} needs a value, got an empty one")
             if spec[1] == "preset":
                 preset_flags += _preset_flags(val)
             elif spec[1] == "str":
@@ -183,9 +186,10 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     cfg = parse_args(megatron_argv)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
-    est = MEM.estimate(cfg, fset, chunks_by_stage=chunks)
+    est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks)
     layout = PAR.layout_from_config(cfg)
     comm = C.communication(cfg, layout, chunks)
+    invariants.check_comm(comm)
     report = Report(cfg, fset, est, layout, comm)
     gpu = V.parse_gpu(own["gpu_memory"]) if own["gpu_memory"] is not None else None
     report.budget = V.budget(report, gpu, **{k: own[k] for k in V.DEFAULTS})
@@ -193,8 +197,8 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
 
 
 def dumps_indent1(obj) -> str:
-    """json.dumps(obj, indent=1), byte for byte, for the JSON types the report holds (dict, list, tuple, str, int,
-    float, bool, None). json's encoder is pure Python once an indent is asked for; this one is a little faster.
+    """json.dumps(obj, indent=1, allow_nan=False), byte for byte, for the JSON types the report holds (dict, list,
+    tuple, str, int, float, bool, None). json's encoder is pure Python once an indent is asked for; this one is a little faster.
     Any other type goes to json.dumps for that value (so an unsupported one still raises TypeError there)."""
     enc = jsonload.encode_string
     out: list = []
@@ -204,12 +208,9 @@ def dumps_indent1(obj) -> str:
     inf = float("inf")
 
     def fl(o):
-        if o != o:
-            return "NaN"
-        if o == inf:
-            return "Infinity"
-        if o == -inf:
-            return "-Infinity"
+        if o != o or o == inf or o == -inf:
+            # strict JSON (json.dumps(allow_nan=False)'s message): NaN and Infinity are not JSON
+            raise ValueError(f"Out of range float values are not JSON compliant: {o!r}")
         return float_repr(o)
 
     def key(k):
@@ -266,7 +267,7 @@ def dumps_indent1(obj) -> str:
             emit("\n" + " " * level + "}")
         else:
             import json
-            text = json.dumps(o, indent=1)  # raises TypeError as json.dump would
+            text = json.dumps(o, indent=1, allow_nan=False)  # raises TypeError as json.dump would
             emit(text.replace("\n", "\n" + " " * level))
 
     walk(obj, 0)
@@ -294,11 +295,19 @@ def _search(argv: list[str], own: dict) -> int:
     fset = F.load(own["formulas"] or F.DEFAULT_SET)
     result = SEARCH.search(megatron_argv, gpu.bytes, fset, progress=sys.stderr.isatty(), allowances=allowances,
                            gpu_name=gpu.name)
-    if own["json"]:
-        sys.stdout.write(dumps_indent1(SEARCH.to_json(result, own["top"])) + "\n")
-    else:
-        sys.stdout.write(SEARCH.to_text(result, own["top"]))
+    write_quietly(lambda: sys.stdout.write(dumps_indent1(SEARCH.to_json(result, own["top"])) + "\n" if own["json"]
+                                           else SEARCH.to_text(result, own["top"])))
     return 1 if own["exit_code"] and not result.fits else 0
+
+
+def write_quietly(write) -> None:
+    """Run `write` (output to stdout) and flush. A reader that went away (`--json | head -1`) ends the output
+    quietly: stdout then points at /dev/null, so no later flush (ours, the interpreter's at exit) complains."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -326,17 +335,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 plot.save(report, own["png"])
             except plot.PlotError as exc:
                 raise UsageError(str(exc)) from None
-    except (ConfigError, F.FormulaError, PAR.ParallelConfigError, V.GPUMemoryError) as exc:
+    except (ConfigError, F.FormulaError, PAR.ParallelConfigError, V.GPUMemoryError,
+            invariants.EstimateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    if own["json"]:
-        sys.stdout.writelines(json_chunks(report))
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(R.to_text(report, detail=own["detail"]))
+    def write():
+        if own["json"]:
+            sys.stdout.writelines(json_chunks(report))
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(R.to_text(report, detail=own["detail"]))
+    write_quietly(write)
     if own["exit_code"] and report.budget.fits is False:
         return 1
     return 0

@@ -188,8 +188,23 @@ class SegmentFormula:
 # ---------------------------------------------------------------- parsing / validation
 
 def _coef(raw: Any, where: str) -> Fraction:
+    coef = _coef_value(raw)
+    if coef is None:
+        raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {_short(raw)}")
+    if not -COEF_LIMIT <= coef <= COEF_LIMIT:
+        raise FormulaError(f"{where}: coef {_short(raw)} is beyond any formula (magnitude at most 2**53)")
+    return coef
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut to keep an error message on one readable line (a damaged file may hold 10^300)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _coef_value(raw: Any) -> Optional[Fraction]:
     if isinstance(raw, bool):
-        raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {raw!r}")
+        return None
     if isinstance(raw, int):
         # An integer is already exact; fractions (which imports decimal) is loaded only for 'p/q' and floats.
         return raw
@@ -200,9 +215,9 @@ def _coef(raw: Any, where: str) -> Fraction:
         if isinstance(raw, float):
             # Floats in a file are snapped to the nearest small rational (fits write 'p/q' anyway).
             return Fraction(raw).limit_denominator(1 << 20)
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError, OverflowError):   # 'x', '1/0', NaN and Infinity
         pass
-    raise FormulaError(f"{where}: coef must be a number or 'p/q' string, got {raw!r}")
+    return None
 
 
 def _terms(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
@@ -216,11 +231,12 @@ def _terms(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
             return _terms_checked(raw, where)
         coef = t.get("coef", _NO_COEF)
         vs = t.get("vars") or {}
-        if coef.__class__ is not int or len(t) != (2 if "vars" in t else 1) or vs.__class__ is not dict:
+        if (coef.__class__ is not int or len(t) != (2 if "vars" in t else 1) or vs.__class__ is not dict
+                or not -COEF_LIMIT <= coef <= COEF_LIMIT):
             return _terms_checked(raw, where)
         pairs = []
         for name, exp in vs.items():
-            if exp.__class__ is not int or name not in VARIABLES:
+            if exp.__class__ is not int or name not in VARIABLES or not -EXP_LIMIT <= exp <= EXP_LIMIT:
                 return _terms_checked(raw, where)
             if exp:
                 pairs.append((name, exp))
@@ -229,6 +245,10 @@ def _terms(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
 
 
 _NO_COEF = object()
+# Bounds on a term, far beyond any fitted or modelled formula (coefficients are small rationals, exponents 1 or 2):
+# a larger one is a damaged file, and evaluating it would overflow a float or, for an exponent like 10^30, never end.
+COEF_LIMIT = 2 ** 53
+EXP_LIMIT = 8
 
 
 def _terms_checked(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
@@ -251,8 +271,9 @@ def _terms_checked(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
         for name, exp in vs.items():
             if name not in VARIABLES:
                 raise FormulaError(f"{w}: unknown variable {name!r} (known: {', '.join(VARIABLES)})")
-            if isinstance(exp, bool) or not isinstance(exp, int):
-                raise FormulaError(f"{w}: exponent of {name!r} must be an integer, got {exp!r}")
+            if isinstance(exp, bool) or not isinstance(exp, int) or not -EXP_LIMIT <= exp <= EXP_LIMIT:
+                raise FormulaError(f"{w}: exponent of {name!r} must be an integer in [-{EXP_LIMIT}, {EXP_LIMIT}], "
+                                   f"got {_short(exp)}")
             if exp:
                 pairs.append((name, exp))
         out.append(Term(_coef(t["coef"], w), tuple(sorted(pairs))))
@@ -392,6 +413,8 @@ def load(name_or_path: str = DEFAULT_SET) -> FormulaSet:
                 doc = jsonload.load(fh)
         except ValueError as exc:  # json.JSONDecodeError, or text that is not UTF-8
             raise FormulaError(f"{path}: not valid JSON: {exc}") from None
+        except RecursionError:
+            raise FormulaError(f"{path}: not valid JSON: nested too deeply") from None
         except OSError as exc:
             raise FormulaError(f"{path}: cannot read: {exc}") from None
         fset = from_dict(doc, path)

@@ -106,6 +106,11 @@ def stage_weight_bytes(cfg, pp_rank: int, param_bytes: int) -> tuple:
     return int(added), modules
 
 
+# The layer row layer_row returns: a signed correction of the 16-bit formulas' saved bytes (negative where fp8
+# saves more than linear_proj's copy adds), not a formula of the set; the layer's total stays nonnegative.
+SAVED_INPUTS_OP = "layers.*.fp8_saved_inputs"
+
+
 def layer_row(cfg, env: dict, moe: bool) -> tuple:
     """(op, saved, fwd peak, bwd peak) to append to a transformer layer's rows: what fp8 changes in its saved
     activations against the 16-bit formulas (per microbatch)."""
@@ -119,4 +124,4 @@ def layer_row(cfg, env: dict, moe: bool) -> tuple:
             saving += (e - 1) * s * b * h / st    # linear_fc1's layer-norm output
             saving += (e - 1) * s * b * f / t     # linear_fc2's input (the activation output)
     delta = copy - saving
-    return ("layers.*.fp8_saved_inputs", delta, max(delta, 0.0), 0.0)
+    return (SAVED_INPUTS_OP, delta, max(delta, 0.0), 0.0)

@@ -16,6 +16,7 @@ import sys
 import time
 
 from estimator import comm as C
+from estimator import invariants
 from estimator import memory as MEM
 from estimator import parallel as PAR
 from estimator import verdict as V
@@ -245,7 +246,7 @@ def _evaluate(job: tuple) -> tuple:
             static = static_memo[(lay.cp, lay.dist_opt)] = MEM.static_peak_bytes(cfg, chunks)
         if static * frag + ctx > gpu_bytes:   # a lower bound of every total (no NCCL yet)
             continue
-        est = MEM.estimate(cfg, fset, chunks_by_stage=chunks, per_op=False)
+        est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks, per_op=False)
         if est.max_peak_bytes * frag + ctx > gpu_bytes:
             continue
         key = (lay.cp, lay.dist_opt, lay.recompute == "full")

@@ -294,7 +294,6 @@ def test_validation_messages_match_megatron_core(flags, core_kwargs):
     ("--num-experts 6 --expert-model-parallel-size 4 --nproc_per_node 4", "Number of experts should be a multiple"),
     ("--expert-model-parallel-size 2 --nproc_per_node 2", "num_experts must be non None"),
     ("--recompute-granularity full", "recompute_method must be"),
-    ("--recompute-granularity selective --recompute-method uniform", "recompute method is not yet supported"),
     ("--bf16 --fp16", "Only one of"),
     ("--fp32-residual-connection", "residual connection in fp32 only supported when using fp16 or bf16."),
     ("--cross-entropy-fusion-impl fast", "invalid choice"),

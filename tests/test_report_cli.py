@@ -131,3 +131,16 @@ def test_bad_input_one_line_exit_2(run_dir, tmp_path, make):
     want = {"no_names": "rank0.names: missing", "bad_names": "damaged string table",
             "short_names": "the string table ends at id 2"}.get(make)
     assert want is None or want in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode", ["--json", "--segments"])
+def test_closed_pipe_ends_quietly(run_dir, mode):
+    """The reader goes away before the report is written (`... | head -1` on a long report): exit 0, and no
+    '[Errno 32] Broken pipe' error line or traceback on stderr."""
+    d, _ = run_dir
+    p = subprocess.Popen([sys.executable, "-m", "tracer.report", str(d), mode], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err == "", err
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections import defaultdict
@@ -165,10 +166,10 @@ def main(argv=None) -> int:
             if a.segments:
                 for d, r in zip(docs, ranks):
                     d["segments"] = segment_rows(r)
-            print(json.dumps({"ranks": docs}, indent=1))
+            _print(json.dumps({"ranks": docs}, indent=1))
         else:
-            print("\n\n".join(format_rank(r, a.top) + ("\n" + format_segments(r) if a.segments else "")
-                                for r in ranks))
+            _print("\n\n".join(format_rank(r, a.top) + ("\n" + format_segments(r) if a.segments else "")
+                                 for r in ranks))
         if a.snapshot:
             from .export import save_snapshot
             save_snapshot(ranks, a.snapshot)
@@ -182,6 +183,15 @@ def main(argv=None) -> int:
         print(f"tracer.report: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _print(text: str) -> None:
+    """print(text); a reader that went away (`--json | head -1`) ends the output without a word: stdout then
+    points at /dev/null, so the interpreter's flush at exit stays quiet too, and the exports still get written."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":
