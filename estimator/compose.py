@@ -14,6 +14,8 @@ and the report says which labels and what share of the saved bytes that is (`cov
 """
 from __future__ import annotations
 
+from collections import ChainMap
+
 from . import formulas as F
 
 ROOT = "step"
@@ -74,22 +76,30 @@ class ComposedCache:
         return hit
 
     def _evaluate(self, label: str, sw: dict) -> tuple:
-        cands = self._by_label.get(label, [])
-        match = next((sf for sf in cands if sf.matches(sw)), None)
-        if match is not None and match.covers(sw) and all(q is not None for q in match.quantities):
-            return (*(_sum(q, self.env) for q in match.quantities), True)
-        # Extrapolated: per quantity, the largest value among the determined formulas nearest the config's
-        # switches (fewest `when` values differing from it).
-        vals = []
+        """Each quantity from the label's most specific entry that gives it and matches sw, measured where the
+        entry's runs had the config's switch values; else extrapolated: the largest value among the determined
+        entries nearest the config's switches (fewest `when` values differing from it)."""
+        vals, measured = [], True
+        env = ChainMap(F.indicators(sw), self.env)     # a layer's own switches (dense / MoE, recompute)
         for i in range(4):
-            have = [sf for sf in cands if sf.quantities[i] is not None]
+            have = [sf for sf in self._by_label.get(label, []) if sf.quantities[i] is not F.NOT_GIVEN]
+            if not have:    # the label never has this phase: no bytes
+                vals.append(0.0)
+                continue
+            match = next((sf for sf in have if sf.matches(sw)), None)
+            if match is not None and match.covers(sw) and match.quantities[i] is not None:
+                vals.append(_sum(match.quantities[i], env))
+                measured = measured and match.measured_for(i, sw)
+                continue
+            measured = False
+            have = [sf for sf in have if sf.quantities[i] is not None]
             if not have:
                 vals.append(0.0)
                 continue
             dist = [sum(sw.get(k) != v for k, v in sf.when) for sf in have]
             near = min(dist)
-            vals.append(max(_sum(sf.quantities[i], self.env) for sf, d in zip(have, dist) if d == near))
-        return (*vals, False)
+            vals.append(max(_sum(sf.quantities[i], env) for sf, d in zip(have, dist) if d == near))
+        return (*vals, measured)
 
     def children(self, op: str, sw: dict) -> tuple:
         for name, when, kids in _structure(self.fset, op):

@@ -21,8 +21,18 @@ FITTED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 SET_DIRS = (SHIPPED_DIR, FITTED_DIR)
 DEFAULT_SET = "modelled"
 
+# Switch indicators (FORMATS 4.1): 1 where the config's switch has the value, else 0. A composed set carries a
+# switch's effect on a segment as terms times its indicator, so the effects of switches traced apart add up in a
+# combination never traced together.
+INDICATORS = {
+    "x_flash": ("attention", "flash"), "x_sp": ("sp", True), "x_sel": ("recompute", "selective"),
+    "x_swiglu": ("activation", "swiglu"), "x_bf16": ("dtype", "bf16"), "x_fp16": ("dtype", "fp16"),
+    "x_rope": ("position", "rope"), "x_nope": ("position", "none"), "x_rms": ("normalization", "RMSNorm"),
+    "x_moe": ("moe", True), "x_moecomm": ("moe_comm", True), "x_dropout": ("dropout", True), "x_gqa": ("gqa", True),
+    "x_tp": ("tp", True), "x_sm32": ("softmax_fp32", True), "x_bias": ("bias", True), "x_tied": ("tied", True),
+}
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
-             "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L")
+             "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
 # Per-stage variables (FORMATS 4): parameters the rank's optimizer holds after DP sharding, its largest parameter
 # tensor, the largest 2*p_i + p_(i-1) over consecutive parameters of one optimizer parameter group (a
 # one-tensor-at-a-time Adam step's temporaries: two of the current parameter's size while the previous one's
@@ -65,8 +75,14 @@ class Term:
 
     def value(self, env: Mapping[str, float]) -> float:
         x = self._fcoef
-        for name, exp in self.vars:
-            x *= env[name] ** exp
+        try:
+            for name, exp in self.vars:
+                x *= env[name] ** exp
+        except ZeroDivisionError:
+            # Tokens per expert (s*b*k/E) on a dense layer: k = E = 0, and the term is 0 there.
+            if any(exp > 0 and env[name] == 0 for name, exp in self.vars):
+                return 0.0
+            raise
         return x
 
 
@@ -167,15 +183,20 @@ class FormulaSet:
 
 
 SEGMENT_QUANTITIES = ("fwd_delta", "fwd_peak", "bwd_delta", "bwd_peak")
+NOT_GIVEN = "not given"   # a segment entry without this quantity: another entry of the label (split otherwise) has it
 
 
 @dataclass(frozen=True)
 class SegmentFormula:
-    """One segment label's four quantities (None: undetermined) under `when`, and the switch values its runs had."""
+    """One segment label's four quantities (None: undetermined; NOT_GIVEN: given by the label's entries of
+    another split) under `when`, and the switch values its runs had."""
     label: str
     when: Tuple[Tuple[str, Any], ...]
     quantities: Tuple[Optional[Tuple[Term, ...]], ...]    # in SEGMENT_QUANTITIES order
     seen: Tuple[Tuple[str, Tuple[Any, ...]], ...]
+    # Per quantity, the switch values of the parts it was measured on (None: wherever the entry covers); a
+    # formula with switch indicators predicts other combinations of those switches from them.
+    measured: Tuple[Optional[Tuple[Tuple[Tuple[str, Any], ...], ...]], ...] = (None, None, None, None)
 
     def matches(self, sw: Mapping[str, Any]) -> bool:
         return all(sw.get(k) == v for k, v in self.when)
@@ -183,6 +204,11 @@ class SegmentFormula:
     def covers(self, sw: Mapping[str, Any]) -> bool:
         """Every switch value of the config was among the part's runs' (so the formula was measured there)."""
         return all(sw.get(k) in vals for k, vals in self.seen if k in sw)
+
+    def measured_for(self, i: int, sw: Mapping[str, Any]) -> bool:
+        """Quantity i was measured on a part with the config's values of the switches it was split by."""
+        parts = self.measured[i]
+        return parts is None or any(all(sw.get(k) == v for k, v in p) for p in parts)
 
 
 # ---------------------------------------------------------------- parsing / validation
@@ -349,7 +375,7 @@ def _segments(doc: dict, src: str) -> List[SegmentFormula]:
         w = f"{src}: segments[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("label"), str) or not e["label"]:
             raise FormulaError(f"{w}: needs a 'label'")
-        extra = set(e) - {"label", "per", "when", "seen", "runs", "note", *SEGMENT_QUANTITIES}
+        extra = set(e) - {"label", "per", "when", "seen", "runs", "note", "measured", *SEGMENT_QUANTITIES}
         if extra:
             raise FormulaError(f"{w}: unknown keys {sorted(extra)}")
         w = f"{w} ({e['label']!r})"
@@ -361,9 +387,20 @@ def _segments(doc: dict, src: str) -> List[SegmentFormula]:
         if not isinstance(raw_seen, dict) or any(k not in SWITCHES or not isinstance(v, list)
                                                  for k, v in raw_seen.items()):
             raise FormulaError(f"{w}: 'seen' maps switches to lists of values")
-        out.append(SegmentFormula(e["label"], when, tuple(_terms(e.get(q), f"{w}.{q}") for q in SEGMENT_QUANTITIES),
-                                  tuple(sorted((k, tuple(v)) for k, v in raw_seen.items()))))
+        out.append(SegmentFormula(e["label"], when, tuple(_terms(e[q], f"{w}.{q}") if q in e else NOT_GIVEN
+                                                          for q in SEGMENT_QUANTITIES),
+                                  tuple(sorted((k, tuple(v)) for k, v in raw_seen.items())),
+                                  _measured(e.get("measured"), w)))
     return out
+
+
+def _measured(raw: Any, where: str) -> tuple:
+    if raw is None:
+        return (None, None, None, None)
+    if not isinstance(raw, dict) or any(q not in SEGMENT_QUANTITIES or not isinstance(v, list) for q, v in raw.items()):
+        raise FormulaError(f"{where}: 'measured' maps quantities to lists of switch values")
+    return tuple(None if q not in raw else tuple(_when(p, f"{where}.measured.{q}") for p in raw[q])
+                 for q in SEGMENT_QUANTITIES)
 
 
 def _structure(doc: dict, src: str) -> list:
@@ -443,6 +480,9 @@ class _Variables(dict):
         self._cfg, self._pp_rank = cfg, pp_rank
 
     def __missing__(self, key: str) -> float:
+        if key in INDICATORS:
+            self.update(indicators(switches(self._cfg, self)))
+            return self[key]
         if key not in STAGE_VARIABLES:
             raise KeyError(key)
         self.update(stage_variables(self._cfg, self._pp_rank))
@@ -526,6 +566,11 @@ def attention_kernel(cfg: Any) -> str:
     if _get(cfg, "use_flash_attn", False) or impl == "transformer_engine":
         return "flash"
     return "unfused"
+
+
+def indicators(sw: Mapping[str, Any]) -> Dict[str, int]:
+    """The switch indicators (INDICATORS) of a switch dict."""
+    return {name: int(sw.get(k) == v) for name, (k, v) in INDICATORS.items()}
 
 
 def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Mapping
 
+# The FORMATS 4 variables (and the switch indicators of composed sets): one list for the fitter and the estimator.
+from estimator.formulas import VARIABLES
+
 Monomial = tuple  # tuple[tuple[str, int], ...], sorted by variable name
 
-# The FORMATS 4 variables, and the Megatron flag that changes each (for "vary X" hints).
-VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs", "t", "st", "cp", "ep", "etp", "e",
-             "P", "Pmax", "Pstep", "L")
+# The Megatron flag that changes each variable (for "vary X" hints).
 FLAG_HINTS = {
     "s": "--seq-length", "b": "--micro-batch-size", "h": "--hidden-size", "f": "--ffn-hidden-size",
     "a": "--num-attention-heads", "g": "--num-query-groups (with --group-query-attention)",
@@ -87,6 +88,9 @@ _MOE = ["s*b*k*h*etp/st", "s*b*k*fe/st", "s*b*E*etp/st", "s*b*h*ep*etp/st", "s*b
 # One local expert at a time (its backward, its fc1 output): each of the E experts receives s*b*k*ep*etp/(st*E)
 # of the gathered tokens, of width h, or fe/etp inside the expert; and one expert's weight gradients.
 _ONE_EXPERT = ["s*b*k*h*ep*etp/st*E", "s*b*k*fe*ep/st*E", "h*fe/etp"]
+# The code of one local expert (`...local_experts.*`, its linears and its own code): its tokens (rows of width h,
+# fe/etp inside), their routing probabilities, and its weight gradients.
+_IN_EXPERT = _ONE_EXPERT + ["s*b*k*ep*etp/st*E", "fe/etp", "h", "1"]
 # A decoder layer's own atoms (residual stream, attention and MLP interiors, weight-gradient sizes).
 _LAYER = _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS
 FAMILIES: dict[str, list[str]] = {
@@ -113,7 +117,8 @@ FAMILIES: dict[str, list[str]] = {
     "data": ["s*b", "s*s*b", "s", "s*s", "b", "1"],
     "router": ["s*b*E/st", "s*b*k/st", "s*b*h/st", "s*b*E", "s*b*k", "s*b/st", "E", "1"],
     "experts": ["s*b*k*h*etp/st", "s*b*k*fe/st", "s*b*k*h/st", "s*b*k*fe/etp", "s*b*k*h", "s*b*k*fe", "s*b*k/st",
-                "E/ep", "1"],
+                "E/ep", "1"] + _ONE_EXPERT,
+    "local_expert": _IN_EXPERT,
     "shared_experts": ["s*b*fs/t", "s*b*h/st", "s*b*h", "1"],
     "token_dispatcher": _MOE + ["s*b*k*h/st", "s*b*k*h", "1"],
     # The optimizer step (torch AdamW on CPU, one parameter at a time): parameter-sized temporaries (two of the
@@ -129,6 +134,8 @@ FAMILIES: dict[str, list[str]] = {
 def family(op: str) -> str:
     """Which basis an op name (FORMATS 2.3 normalised) uses."""
     last = op.rsplit(".", 1)[-1]
+    if ".local_experts.*" in op:   # before the linear families: an expert's linears see only its tokens
+        return "local_expert"
     if op in ("optim", "optimizer") or op.startswith("optim"):
         return "optimizer"
     if op == "backward_held":

@@ -23,7 +23,8 @@ from . import basis
 from .dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .group import SWITCH_ORDER, domain
 from .segment_data import QUANTITIES, run_samples
-from .solve import FitRefused, fit_group
+from .solve import FitRefused, bound_fit, fit_group
+from .switch_terms import measured_on, merge
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
 ORDER = SWITCH_ORDER + ("bias", "tied", "softmax_fp32")
@@ -75,22 +76,25 @@ def _parts(runs: list, keys: tuple) -> dict:
     return out
 
 
-def _fit_part(label: str, runs: list, keys: tuple, cache: dict) -> dict:
-    """quantity -> Fit or the refusal reason, for one part of one label's runs."""
-    # Pinned as every run of the part has them: formulas that agree on that domain are equivalent (`seen` keeps
-    # the estimator from using one outside it).
-    fixed, ties = domain(constant_switches(runs))
-    cands = candidates(label)
-    out = {}
-    for q in QUANTITIES:
-        data = [(r.point, r.samples[label].values[q]) for r in runs if q in r.samples[label].values]
-        if not data:
-            continue
-        key = (label, q, tuple(sorted(id(r) for r in runs)))
-        if key not in cache:
-            cache[key] = _fit(data, cands, fixed, ties)
-        out[q] = cache[key]
-    return out
+def _data(label: str, q: str, runs: list) -> list:
+    """(point, value, run) per run; a run whose phase has no such segment allocates 0 bytes there."""
+    return [(r.point, r.samples[label].values.get(q, 0), r) for r in runs]
+
+
+def _fit_part(label: str, q: str, runs: list, cache: dict, robust: bool = False):
+    """Fit or the refusal reason of one quantity over one part of a label's runs: exact on every run, else
+    (`robust`) exact on all but a few runs that deviate where the rest of their switch combination does not."""
+    key = (label, q, robust, tuple(sorted(id(r) for r in runs)))
+    if key not in cache:
+        # Pinned as every run of the part has them: formulas that agree on that domain are equivalent (`seen`
+        # keeps the estimator from using one outside it).
+        fixed, ties = domain(constant_switches(runs))
+        data = _data(label, q, runs)
+        fit = _fit([(p, y) for p, y, _ in data], candidates(label), fixed, ties)
+        if isinstance(fit, str) and robust:
+            fit = _robust(data, candidates(label), fixed, ties, fit)
+        cache[key] = fit
+    return cache[key]
 
 
 PAIR_LIMIT = 24
@@ -119,116 +123,229 @@ def _fit(data: list, cands: list, fixed, ties):
 
 
 def _covered(fits: dict, runs: list, keys: tuple) -> int:
-    """Minus the (run, quantity) pairs of the label's runs left without a determined formula under a split by
-    `keys` (a quantity a part's runs do not have counts for nothing)."""
+    """Minus the runs left without a determined formula under a split by `keys`."""
     n = {part: len(rs) for part, rs in _parts(runs, keys).items()}
-    return -sum(n[part] for part, qs in fits.items() for v in qs.values() if isinstance(v, str))
+    return -sum(n[part] for part, v in fits.items() if isinstance(v, str))
 
 
 OUTLIER_SHARE = 0.15   # at most this share of a part's runs may deviate from its formula (and are named)
 
 
-def _robust(label: str, q: str, runs: list, reason: str):
-    """A quantity no formula fits on every run: the sparsest exact formula of all but a few runs (at most
-    OUTLIER_SHARE, at least 5 runs kept), dropping the run farthest from a least-squares fit one at a time. On CPU
-    a free that gloo's thread makes a little earlier or later lands in a neighbouring segment of some runs; the
-    runs left out are named in the formula's note. Else the refusal's reason."""
-    data = [(r.point, r.samples[label].values[q], r) for r in runs if q in r.samples[label].values]
-    fixed, ties = domain(constant_switches(runs))
-    cands = candidates(label)
-    dropped = []
-    for _ in range(int(len(data) * OUTLIER_SHARE)):
-        if len(data) - 1 < 5:
-            break
+def _combination(r) -> tuple:
+    return tuple(r.switches.get(k) for k in ORDER)
+
+
+def _robust(data: list, cands: list, fixed, ties, reason: str):
+    """The sparsest exact formula of all but a few runs (at most OUTLIER_SHARE, at least 5 kept), found by
+    consensus: exact fits of small random samples of the runs (seeded), the first that all but such a few runs
+    agree with is refitted on them. On CPU a free that gloo's thread makes a little earlier or later lands in a
+    neighbouring segment of some runs. A run may be left out only while most runs of its own switch combination
+    are kept (so a switch that changes the bytes splits the runs instead of being dropped as noise); the runs
+    left out are named in the formula's note. Else the refusal's reason."""
+    import random
+    rng = random.Random(len(data))
+    budget = int(len(data) * OUTLIER_SHARE)
+    if len(data) - budget < 5:
+        return reason
+    for _ in range(ROBUST_TRIES):
+        sample = rng.sample(data, min(ROBUST_SAMPLE, len(data)))
         try:
-            rough = fit_group([p for p, _, _ in data], [y for _, y, _ in data], cands, fixed=fixed, ties=ties,
-                              max_terms=5, tolerance=1e9)
+            trial = fit_group([p for p, _, _ in sample], [y for _, y, _ in sample], cands, fixed=fixed, ties=ties,
+                              max_terms=4)
         except FitRefused:
-            return reason
-        worst = max(range(len(data)), key=lambda i: abs(float(rough.predict(data[i][0])) - data[i][1]))
-        dropped.append(data.pop(worst)[2])
-        fit = _fit([(p, y) for p, y, _ in data], cands, fixed, ties)
+            continue
+        kept = [d for d in data if abs(float(trial.predict(d[0])) - d[1]) <= SLACK_BYTES]
+        dropped = [d[2] for d in data if abs(float(trial.predict(d[0])) - d[1]) > SLACK_BYTES]
+        if len(dropped) > budget:
+            continue
+        alike = Counter(_combination(r) for _, _, r in kept)
+        gone = Counter(_combination(r) for r in dropped)
+        if any(gone[c] >= alike[c] for c in gone):
+            continue
+        fit = _fit([(p, y) for p, y, _ in kept], cands, fixed, ties)
         if not isinstance(fit, str):
-            fit.notes.append(f"exact on {len(data)} runs; {len(dropped)} deviate: "
+            fit.notes.append(f"exact on {len(kept)} runs; {len(dropped)} deviate: "
                              + ", ".join(r.path.rstrip('/').rsplit('/', 1)[-1] for r in dropped))
             return fit
     return reason
 
 
-PEAK_BOUND = 0.10
+ROBUST_TRIES = 12
+ROBUST_SAMPLE = 8
+
+
+PEAK_BOUND = 0.005
 
 
 def _bound(label: str, q: str, runs: list, reason: str):
-    """A transient no exact formula fits: an upper bound that never under-predicts a run and over-predicts by at
-    most PEAK_BOUND of its value (solve.fit_group's bound), flagged in the note; else the reason."""
-    data = [(r.point, r.samples[label].values[q]) for r in runs if q in r.samples[label].values]
+    """A transient no exact formula fits (a maximum over allocation patterns, e.g. one for b = 1 and another for
+    b > 1): an upper bound that never under-predicts a run and over-predicts by at most PEAK_BOUND of the run's
+    peak (solve.bound_fit), flagged in the note; else the reason."""
+    data = _data(label, q, runs)
     fixed, ties = domain(constant_switches(runs))
     try:
-        fit = fit_group([p for p, _ in data], [y for _, y in data], candidates(label), fixed=fixed, ties=ties,
-                        max_terms=5, bound=PEAK_BOUND)
+        fit = bound_fit([p for p, _, _ in data], [y for _, y, _ in data], candidates(label), PEAK_BOUND,
+                        [max(r.peaks) for _, _, r in data], max_terms=5, fixed=fixed, ties=ties)
     except FitRefused:
         return reason
-    fit.notes.append(f"within {100 * PEAK_BOUND:.0f}% above every run (upper bound)")
     return fit
 
 
-def _failures(fits: dict) -> int:
-    return sum(1 for part in fits.values() for v in part.values() if isinstance(v, str))
+APPROXIMATE = 0.10
 
 
-def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
-    """Formula entries (FORMATS 4.1) for one label from the runs that have it."""
+def _approximate(label: str, q: str, runs: list, reason: str):
+    """A part no exact formula, consensus or bound fits (on CPU, a checkpointed attention's frees land in
+    neighbouring segments differently from layer to layer): the least-squares formula of at most 5 terms if it is
+    within APPROXIMATE of every run, flagged approximate in the note; else the reason. Left undetermined, the
+    part would be predicted from the other parts' formulas, which know nothing of it."""
+    if len(runs) < 5:
+        return reason
+    data = _data(label, q, runs)
+    fixed, ties = domain(constant_switches(runs))
+    try:
+        fit = fit_group([p for p, _, _ in data], [y for _, y, _ in data], candidates(label), fixed=fixed, ties=ties,
+                        max_terms=5, tolerance=APPROXIMATE)
+    except FitRefused:
+        return reason
+    fit.notes.append(f"approximate: within {100 * fit.max_rel_residual:.1f}% of every run")
+    return fit
+
+
+def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
+    """(keys, {part: Fit or reason}) for one quantity of one label: pooled over all runs; where some part has no
+    formula, split by the switch (or, where no switch alone helps, the pair of switches among the first
+    PAIR_LIMIT) that leaves the fewest runs undetermined, and so on. Each quantity is split on its own: a label's
+    transient may depend on a switch that its saved bytes do not."""
     keys: tuple = ()
-    fits = {k: _fit_part(label, rs, keys, cache) for k, rs in _parts(runs, keys).items()}
+    fits = {k: _fit_part(label, q, rs, cache, robust=True) for k, rs in _parts(runs, keys).items()}
+    if not isinstance(fits[()], str) and len(fits[()].terms) >= 3:
+        # A pooled formula of many terms may be a coincidence of the traced shapes; where one switch splits the
+        # runs into parts of fewer terms in all, the split is the simpler explanation (a held-out combination of
+        # the norm type, say, is then predicted right).
+        best = None
+        for k in [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1]:
+            trial = {part: _fit_part(label, q, rs, cache) for part, rs in _parts(runs, (k,)).items()}
+            if any(isinstance(v, str) for v in trial.values()):
+                continue
+            size = sum(len(v.terms) for v in trial.values())
+            if size < len(fits[()].terms) and (best is None or size < best[0]):
+                best = (size, k, trial)
+        if best is not None:
+            return (best[1],), best[2]
+    if q.endswith("_peak") and isinstance(fits[()], str):
+        # A transient that is a maximum over allocation patterns has no exact formula, split or not: bounded
+        # on all runs within PEAK_BOUND of each run's peak, it needs no split by switches.
+        bound = _bound(label, q, runs, fits[()])
+        if not isinstance(bound, str):
+            return keys, {(): bound}
     switches = [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1]
-    while _failures(fits) and switches:
-        # The switch whose split determines the most (run, quantity) pairs; none that determines more: stop.
-        # Where no switch alone helps, two together (a label two switches change jointly, e.g. the attention's
-        # backward by position and dropout), among the first PAIR_LIMIT pairs.
+    while any(isinstance(v, str) for v in fits.values()) and switches:
         best = None
         pairs = [(a, b) for i, a in enumerate(switches) for b in switches[i + 1:]][:PAIR_LIMIT]
         now = _covered(fits, runs, keys)
         for ks in [(k,) for k in switches] + pairs:
             if len(ks) == 2 and best is not None and _covered(best[1], runs, keys + best[0]) > now:
                 break
-            split = _parts(runs, keys + ks)
-            trial = {part: _fit_part(label, rs, keys + ks, cache) for part, rs in split.items()}
+            trial = {part: _fit_part(label, q, rs, cache, robust=True) for part, rs in _parts(runs, keys + ks).items()}
             if best is None or _covered(trial, runs, keys + ks) > _covered(best[1], runs, keys + best[0]):
                 best = (ks, trial)
-        if best is None:
-            break
-        if _covered(best[1], runs, keys + best[0]) <= now:
+        if best is None or _covered(best[1], runs, keys + best[0]) <= now:
             break
         keys += best[0]
         for k in best[0]:
             switches.remove(k)
         fits = best[1]
-    for part, rs in _parts(runs, keys).items():
-        for q, v in list(fits[part].items()):
-            if isinstance(v, str):
-                fits[part][q] = _robust(label, q, rs, v)
-            if isinstance(fits[part][q], str) and q.endswith("_peak"):
-                fits[part][q] = _bound(label, q, rs, fits[part][q])
+    parts = _parts(runs, keys)
+    if q.endswith("_peak"):
+        fits = {part: _bound(label, q, parts[part], v) if isinstance(v, str) else v for part, v in fits.items()}
+    fits = {part: _approximate(label, q, parts[part], v) if isinstance(v, str) else v for part, v in fits.items()}
+    # In ORDER, so quantities split by the same switches share entries.
+    order = tuple(sorted(keys, key=ORDER.index))
+    return order, {tuple(dict(zip(keys, part))[k] for k in order): v for part, v in fits.items()}
+
+
+def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
+    """Formula entries (FORMATS 4.1) for one label from the runs that have it. Each quantity's parts are merged
+    into one formula over shapes and switch indicators (switch_terms), which the label's pooled entry (`when`
+    {}) holds with the parts it was measured on; a quantity whose parts do not merge keeps one entry per part,
+    and entries of quantities split alike are shared."""
+    pooled: dict = {}
+    measured: dict = {}
+    by_keys: dict = {}
+    notes: list = []
+    for q in QUANTITIES:
+        if not any(q in r.samples[label].values for r in runs):
+            continue
+        keys, fits = split_quantity(label, q, runs, cache)
+        done = {part: v for part, v in fits.items() if not isinstance(v, str)}
+        parts = _parts(runs, keys)
+        merged = merge(keys, {part: _in_e(v.terms, parts[part]) for part, v in done.items()})
+        if merged is None and not keys:     # undetermined on the pooled runs
+            pooled[q] = None
+            notes += _notes(q, fits)
+            continue
+        if merged is None:
+            by_keys.setdefault(keys, {})[q] = fits
+            continue
+        pooled[q] = merged
+        if keys:
+            measured[q] = measured_on(keys, list(done))
+        notes += _notes(q, fits)
     out = []
-    for part, rs in _parts(runs, keys).items():
-        entry = {"label": label, "per": "layer" if rs[0].samples[label].in_layer else "model",
-                 "when": dict(zip(keys, part)),
-                 "seen": {k: sorted({r.switches.get(k) for r in rs}, key=str) for k in ORDER},
-                 "runs": len(rs)}
-        notes = []
+    if pooled or not by_keys:
+        entry = _entry(label, runs, (), ())
         for q in QUANTITIES:
-            v = fits[part].get(q)
-            if v is None:
-                entry[q] = []          # the phase never has this segment: 0 bytes
-            elif isinstance(v, str):
-                entry[q] = None
-                notes.append(f"{q}: {v}")
-            else:
-                entry[q] = [{"coef": _coef(c), "vars": dict(m)} for c, m in v.terms]
-                notes += [f"{q}: {n}" for n in v.notes if "deviate" in n or "within" in n or "bound" in n]
+            if q in pooled or not by_keys:
+                entry[q] = None if q in pooled and pooled[q] is None else [
+                    {"coef": _coef(c), "vars": dict(m)} for c, m in pooled.get(q) or []]
+        if measured:
+            entry["measured"] = measured
         if notes:
             entry["note"] = "; ".join(notes)
         out.append(entry)
+    for keys, qfits in by_keys.items():
+        for part, rs in _parts(runs, keys).items():
+            entry = _entry(label, rs, keys, part)
+            part_notes = []
+            for q, fits in qfits.items():
+                v = fits[part]
+                entry[q] = None if isinstance(v, str) else [{"coef": _coef(c), "vars": dict(m)} for c, m in v.terms]
+                part_notes += _notes(q, {part: v})
+            if part_notes:
+                entry["note"] = "; ".join(part_notes)
+            out.append(entry)
+    return out
+
+
+def _in_e(terms: list, runs: list) -> list:
+    """A part's terms with every monomial in the element size e where the part's runs share one dtype: there
+    `4*s*b` and `s*b*e` are the same formula, and the parts merged by switch_terms must write it alike."""
+    if len({r.switches.get("dtype") for r in runs}) > 1:
+        return terms
+    e = runs[0].point["e"]
+    out: dict = {}
+    for c, m in terms:
+        if "e" not in dict(m):
+            c, m = c / e, basis.times(m, "e")
+        out[m] = out.get(m, 0) + c
+    return [(c, m) for m, c in out.items() if c]
+
+
+def _entry(label: str, runs: list, keys: tuple, part: tuple) -> dict:
+    return {"label": label, "per": "layer" if runs[0].samples[label].in_layer else "model",
+            "when": dict(zip(keys, part)),
+            "seen": {k: sorted({r.switches.get(k) for r in runs}, key=str) for k in ORDER}, "runs": len(runs)}
+
+
+def _notes(q: str, fits: dict) -> list:
+    out = []
+    for part, v in fits.items():
+        where = f" [{', '.join(map(str, part))}]" if part else ""
+        if isinstance(v, str):
+            out.append(f"{q}{where}: {v}")
+        else:
+            out += [f"{q}{where}: {n}" for n in v.notes if any(w in n for w in ("deviate", "within", "bound"))]
     return out
 
 
@@ -314,7 +431,7 @@ def main(argv=None) -> int:
     with open(a.output, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1)
         fh.write("\n")
-    undetermined = [(s["label"], s["when"]) for s in doc["segments"] if any(s[q] is None for q in QUANTITIES)]
+    undetermined = [(s["label"], s["when"]) for s in doc["segments"] if any(q in s and s[q] is None for q in QUANTITIES)]
     print(f"wrote {a.output}: {len(doc['segments'])} segment formulas ({len(undetermined)} with undetermined "
           f"quantities), {len(doc['structure'])} structure entries, from {len(doc['provenance']['traces'])} runs")
     for label, when in undetermined:

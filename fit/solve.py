@@ -88,12 +88,25 @@ def _exact_solve(rows: list[list[Fraction]], ys: list[Fraction]) -> list[Fractio
     return [aug[i][m] for i in range(m)]
 
 
+_VALUES: dict = {}   # id(point) -> (point, {monomial: value}): the fitters evaluate the same runs' monomials often
+
+
+def _evaluated(m: Monomial, p: Point) -> Fraction:
+    hit = _VALUES.get(id(p))
+    if hit is None or hit[0] is not p:
+        hit = _VALUES[id(p)] = (p, {})
+    v = hit[1].get(m)
+    if v is None:
+        v = hit[1][m] = evaluate(m, p)
+    return v
+
+
 class _Problem:
     """Feature matrix of one (op, metric) group, float for screening and exact for verification."""
 
     def __init__(self, points: list[Point], ys: list[Fraction], cands: list[Monomial]):
         self.points, self.ys, self.cands = points, ys, cands
-        self.exact = [[evaluate(m, p) for m in cands] for p in points]
+        self.exact = [[_evaluated(m, p) for m in cands] for p in points]
         self.X = np.array([[float(x) for x in row] for row in self.exact], dtype=float)
         self.y = np.array([float(y) for y in ys], dtype=float)
         norms = np.linalg.norm(self.X, axis=0)
@@ -220,7 +233,10 @@ def _vary_hint(points: list[Point], a: Terms, b: Terms, pinned: set = frozenset(
         ratio = tuple(sorted((k, e) for k, e in
                              {k: dict(x).get(k, 0) - dict(y).get(k, 0) for k in variables_of(x) | variables_of(y)}
                              .items() if e))
-        vals = {evaluate(ratio, p) for p in points}
+        try:
+            vals = {evaluate(ratio, p) for p in points}
+        except ZeroDivisionError:    # a variable that is 0 here (E on a dense config) divides
+            continue
         if len(vals) == 1:
             vs = sorted(variables_of(ratio))
             return (f"vary {format_monomial(ratio)} (always {vals.pop()} here): change "

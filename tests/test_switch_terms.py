@@ -1,0 +1,117 @@
+"""fit.switch_terms: per-part formulas of one segment quantity merged into one formula over switch indicators, and
+the estimator's reading of such a formula (values per switch combination, measured vs predicted)."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from estimator import formulas as F
+from estimator.args import parse_args
+from estimator.compose import ComposedCache
+from fit.basis import evaluate, parse_monomial
+from fit.switch_terms import merge
+
+SBH = parse_monomial("s*b*h*e")
+SSBA = parse_monomial("s*s*b*a*e/t")
+KEYS = ("recompute", "dropout")
+
+
+def _value(terms, env):
+    return sum(c * evaluate(m, env) for c, m in terms)
+
+
+def _env(recompute, dropout, s=64, b=2, h=96, a=6, t=2):
+    sw = {"recompute": recompute, "dropout": dropout}
+    return {"s": s, "b": b, "h": h, "a": a, "t": t, "e": 4, **F.indicators(sw)}
+
+
+def test_merged_formula_reproduces_every_part_and_adds_effects_of_switches_traced_apart():
+    # dropout keeps its mask (s*s*b*a/t), selective recompute frees one hidden state: traced alone, never together.
+    parts = {("none", False): [(Fraction(2), SBH)],
+             ("none", True): [(Fraction(2), SBH), (Fraction(1), SSBA)],
+             ("selective", False): [(Fraction(1), SBH)]}
+    merged = merge(KEYS, parts)
+    assert merged is not None
+    for (rc, dr), terms in parts.items():
+        for shape in ({}, {"s": 128, "b": 1}, {"h": 64, "a": 8, "t": 1}):
+            assert _value(merged, _env(rc, dr, **shape)) == _value(terms, _env(rc, dr, **shape))
+    both = _env("selective", True)
+    assert _value(merged, both) == evaluate(SBH, both) + evaluate(SSBA, both)
+
+
+def test_an_interaction_of_two_switches_gets_a_product_term():
+    parts = {("none", False): [(Fraction(2), SBH)], ("none", True): [(Fraction(2), SBH)],
+             ("selective", False): [(Fraction(2), SBH)], ("selective", True): [(Fraction(3), SBH)]}
+    merged = merge(KEYS, parts)
+    names = {tuple(n for n, _ in m if n.startswith("x_")) for _, m in merged}
+    assert ("x_dropout", "x_sel") in names
+    for (rc, dr), terms in parts.items():
+        assert _value(merged, _env(rc, dr)) == _value(terms, _env(rc, dr))
+
+
+def test_one_part_merges_to_its_own_terms():
+    assert merge((), {(): [(Fraction(3), SBH)]}) == [(Fraction(3), SBH)]
+
+
+def _set(entry):
+    return F.from_dict({"format": F.FORMAT, "version": F.COMPOSED_VERSION, "name": "t", "kind": "fitted",
+                        "composed": True, "formulas": [], "segments": [entry],
+                        "structure": [{"op": "step", "when": {}, "children": []}]})
+
+
+def test_estimator_evaluates_indicators_and_tells_measured_parts_from_predicted_ones():
+    entry = {"label": "layers.*.self_attention@core_attention", "per": "layer", "when": {},
+             "seen": {"recompute": ["none", "selective"], "dropout": [False, True]},
+             "fwd_delta": [{"coef": 2, "vars": {"s": 1, "b": 1, "h": 1, "e": 1}},
+                           {"coef": -1, "vars": {"s": 1, "b": 1, "h": 1, "e": 1, "x_sel": 1}}],
+             "measured": {"fwd_delta": [{"recompute": "none", "dropout": False},
+                                        {"recompute": "selective", "dropout": False}]}}
+    fset = _set(entry)
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--vocab-size", "128",
+            "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    label = entry["label"]
+    plain = ComposedCache(fset, parse_args(base))
+    fd, fp, bd, bp, measured = plain.values(label, plain.sw)
+    assert (fd, fp, bd, bp, measured) == (2 * 32 * 2 * 64 * 4, 0.0, 0.0, 0.0, True)   # quantities not given: 0
+    sel = ComposedCache(fset, parse_args(base + ["--recompute-activations"]))
+    assert sel.values(label, sel.sw)[0] == 32 * 2 * 64 * 4 and sel.values(label, sel.sw)[4]
+    both = ComposedCache(fset, parse_args(base + ["--recompute-activations", "--hidden-dropout", "0.1"]))
+    fd, *_, measured = both.values(label, both.sw)
+    assert fd == 32 * 2 * 64 * 4 and not measured     # predicted from the parts around it
+
+
+def test_a_combination_never_traced_is_predicted_from_real_runs_of_its_parts():
+    """layers.*.input_layernorm fitted on GPT-style runs with LayerNorm and with RMSNorm, on Llama-style runs with
+    LayerNorm and on Llama-style runs with RMSNorm and tied embeddings predicts the Llama-style runs with RMSNorm
+    and untied embeddings (a combination held out) to the byte: the norm's segments depend on the norm type only,
+    whatever else the model does."""
+    import os
+
+    import pytest
+
+    from fit.segment_data import QUANTITIES
+    from fit.segment_fit import Run, fit_label
+    from estimator.formulas import switches, variables
+    packed = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "traces", "cpu_compose")
+    names = sorted(os.listdir(packed)) if os.path.isdir(packed) else []
+    pick = lambda prefix: [Run(os.path.join(packed, n)) for n in names if n.startswith(prefix + "_s")]  # noqa: E731
+    fitted = pick("gpt_base") + pick("gpt_rms") + pick("llama_ln") + pick("llama_tied")
+    held_out = pick("llama_base")
+    if not fitted or not held_out:
+        pytest.skip("packed cpu_compose traces absent")
+    label = "layers.*.input_layernorm"
+    fset = _set_of(fit_label(label, fitted, {}))
+    for run in held_out:
+        sw = switches(run.config)
+        env = variables(run.config)
+        cache = ComposedCache.__new__(ComposedCache)
+        cache.fset, cache.env, cache._by_label = fset, env, {label: list(fset.segments)}
+        got = cache._evaluate(label, sw)
+        for i, q in enumerate(QUANTITIES):
+            assert got[i] == run.samples[label].values.get(q, 0), (run.path, q)
+
+
+def _set_of(entries):
+    return F.from_dict({"format": F.FORMAT, "version": F.COMPOSED_VERSION, "name": "t", "kind": "fitted",
+                        "composed": True, "formulas": [], "segments": entries,
+                        "structure": [{"op": "step", "when": {}, "children": []}]})
