@@ -149,6 +149,9 @@ def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
     msg = str(err.value)
     assert msg.startswith("unrecognized argument " + flag.split()[0].split("=")[0])
     assert (f"did you mean {hint}" in msg) if hint else ("did you mean" not in msg)
+    if hint:
+        names = msg.split("did you mean ", 1)[1].rstrip("?)").split(" or ")
+        assert len(names) == len(set(names)), msg      # each suggestion once
 
 
 @pytest.mark.parametrize("flags,reason", [

@@ -7,6 +7,8 @@ torch.distributed must already be initialised (tracer.profile does it). Scopes c
 """
 from __future__ import annotations
 
+import gc
+
 import dataclasses
 import random
 from dataclasses import dataclass, field
@@ -36,6 +38,10 @@ _EXTRA_FLAGS = {
     "loss_scale_window": ("--loss-scale-window", float, 1000),
     "hysteresis": ("--hysteresis", int, 2),
     "use_cpu_initialization": ("--use-cpu-initialization", bool, None),   # Megatron-LM: store_true, default None
+    # Megatron-LM's manual garbage collection: automatic collection off (collected once before training), then a
+    # collection every N iterations (0: never). Frees of cyclic garbage then no longer land at random points.
+    "manual_gc": ("--manual-gc", bool, False),
+    "manual_gc_interval": ("--manual-gc-interval", int, 0),
 }
 
 
@@ -374,7 +380,12 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> H
 
     fwd_bwd = get_forward_backward_func()
     nmb = cfg.num_microbatches
+    if extra["manual_gc"]:
+        gc.disable()
+        gc.collect()
     for it in range(iterations):
+        if extra["manual_gc"] and extra["manual_gc_interval"] and it and it % extra["manual_gc_interval"] == 0:
+            gc.collect()
         t0 = time.perf_counter()
         scopes.new_iteration()
         with scopes.scope(f"iter:{it}"):
