@@ -1,15 +1,15 @@
-"""Traces -> a composed formula set: one exact formula per segment label and quantity, split only by the switches
-that change that label's bytes, plus the measured op structure the estimator replays them in (FORMATS 4.1).
+"""Traces -> a composed formula set: per segment label and quantity one formula over shapes and switch
+indicators, plus the measured op structure the estimator replays them in (FORMATS 4.1).
 
-Per label (tracer.segments, FORMATS 3.1) the four quantities of every run are fitted together: first pooled over
-all runs; where some quantity has no exact formula, the runs are split by the switch whose split leaves the fewest
-undetermined (part, quantity) pairs, and so on. So a label is split only by switches that change it, and a config
-whose combination was never traced is composed from labels measured in other combinations. Nothing is dropped: a
-part whose data no formula fits exactly is written as null (undetermined) with the reason, never fitted on a
-subset of its runs. `seen` records, per switch, the values the part's runs had: the estimator calls a label
-extrapolated for a config with a value outside them.
+Per label (tracer.segments, FORMATS 3.1) each of the four quantities is fitted on its own: pooled over all runs
+(a few runs that deviate where the rest of their switch combination does not are left out and named); where
+some part has no exact formula, the runs are split by the switch whose split leaves the fewest runs undetermined,
+and so on; a transient no formula fits gets an upper bound, a part still without one an approximate formula or
+null with the reason. The parts are then merged over switch indicators (fit/switch_terms.py), so a config whose
+combination was never traced is composed from parts measured in other combinations. `seen` records, per switch,
+the values the entry's runs had, and `measured` the parts each quantity was measured on.
 
-    python -m fit.segment_fit TRACE_DIR... -o SET.json [--name NAME]
+    python -m fit.segment_fit TRACE_DIR... -o SET.json [--name NAME] [--jobs N] [--accept-damaged]
 """
 from __future__ import annotations
 
@@ -76,9 +76,12 @@ def _parts(runs: list, keys: tuple) -> dict:
     return out
 
 
-def _data(label: str, q: str, runs: list) -> list:
-    """(point, value, run) per run; a run whose phase has no such segment allocates 0 bytes there."""
-    return [(r.point, r.samples[label].values.get(q, 0), r) for r in runs]
+def _problem(label: str, q: str, runs: list) -> tuple:
+    """(points, values, fixed, ties) of one quantity over a part's runs (a run whose phase has no such segment
+    allocates 0 bytes there), pinned as every run of the part has them: formulas that agree on that domain are
+    equivalent (`seen` keeps the estimator from using one outside it)."""
+    fixed, ties = domain(constant_switches(runs))
+    return [r.point for r in runs], [r.samples[label].values.get(q, 0) for r in runs], fixed, ties
 
 
 def _fit_part(label: str, q: str, runs: list, cache: dict, robust: bool = False):
@@ -86,13 +89,10 @@ def _fit_part(label: str, q: str, runs: list, cache: dict, robust: bool = False)
     (`robust`) exact on all but a few runs that deviate where the rest of their switch combination does not."""
     key = (label, q, robust, tuple(sorted(id(r) for r in runs)))
     if key not in cache:
-        # Pinned as every run of the part has them: formulas that agree on that domain are equivalent (`seen`
-        # keeps the estimator from using one outside it).
-        fixed, ties = domain(constant_switches(runs))
-        data = _data(label, q, runs)
-        fit = _fit([(p, y) for p, y, _ in data], candidates(label), fixed, ties)
+        pts, ys, fixed, ties = _problem(label, q, runs)
+        fit = _fit(list(zip(pts, ys)), candidates(label), fixed, ties)
         if isinstance(fit, str) and robust:
-            fit = _robust(data, candidates(label), fixed, ties, fit)
+            fit = _robust(list(zip(pts, ys, runs)), candidates(label), fixed, ties, fit)
         cache[key] = fit
     return cache[key]
 
@@ -154,8 +154,9 @@ def _robust(data: list, cands: list, fixed, ties, reason: str):
                               max_terms=4)
         except FitRefused:
             continue
-        kept = [d for d in data if abs(float(trial.predict(d[0])) - d[1]) <= SLACK_BYTES]
-        dropped = [d[2] for d in data if abs(float(trial.predict(d[0])) - d[1]) > SLACK_BYTES]
+        agrees = [abs(float(trial.predict(p)) - y) <= SLACK_BYTES for p, y, _ in data]
+        kept = [d for d, ok in zip(data, agrees) if ok]
+        dropped = [d[2] for d, ok in zip(data, agrees) if not ok]
         if len(dropped) > budget:
             continue
         alike = Counter(_combination(r) for _, _, r in kept)
@@ -181,14 +182,12 @@ def _bound(label: str, q: str, runs: list, reason: str):
     """A transient no exact formula fits (a maximum over allocation patterns, e.g. one for b = 1 and another for
     b > 1): an upper bound that never under-predicts a run and over-predicts by at most PEAK_BOUND of the run's
     peak (solve.bound_fit), flagged in the note; else the reason."""
-    data = _data(label, q, runs)
-    fixed, ties = domain(constant_switches(runs))
+    pts, ys, fixed, ties = _problem(label, q, runs)
     try:
-        fit = bound_fit([p for p, _, _ in data], [y for _, y, _ in data], candidates(label), PEAK_BOUND,
-                        [max(r.peaks) for _, _, r in data], max_terms=5, fixed=fixed, ties=ties)
+        return bound_fit(pts, ys, candidates(label), PEAK_BOUND, [max(r.peaks) for r in runs], max_terms=5,
+                         fixed=fixed, ties=ties)
     except FitRefused:
         return reason
-    return fit
 
 
 APPROXIMATE = 0.10
@@ -201,11 +200,9 @@ def _approximate(label: str, q: str, runs: list, reason: str):
     part would be predicted from the other parts' formulas, which know nothing of it."""
     if len(runs) < 5:
         return reason
-    data = _data(label, q, runs)
-    fixed, ties = domain(constant_switches(runs))
+    pts, ys, fixed, ties = _problem(label, q, runs)
     try:
-        fit = fit_group([p for p, _, _ in data], [y for _, y, _ in data], candidates(label), fixed=fixed, ties=ties,
-                        max_terms=5, tolerance=APPROXIMATE)
+        fit = fit_group(pts, ys, candidates(label), fixed=fixed, ties=ties, max_terms=5, tolerance=APPROXIMATE)
     except FitRefused:
         return reason
     fit.notes.append(f"approximate: within {100 * fit.max_rel_residual:.1f}% of every run")
@@ -219,12 +216,13 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
     transient may depend on a switch that its saved bytes do not."""
     keys: tuple = ()
     fits = {k: _fit_part(label, q, rs, cache, robust=True) for k, rs in _parts(runs, keys).items()}
+    varying = [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1]
     if not isinstance(fits[()], str) and len(fits[()].terms) >= 3:
         # A pooled formula of many terms may be a coincidence of the traced shapes; where one switch splits the
         # runs into parts of fewer terms in all, the split is the simpler explanation (a held-out combination of
         # the norm type, say, is then predicted right).
         best = None
-        for k in [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1]:
+        for k in varying:
             trial = {part: _fit_part(label, q, rs, cache) for part, rs in _parts(runs, (k,)).items()}
             if any(isinstance(v, str) for v in trial.values()):
                 continue
@@ -239,7 +237,7 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
         bound = _bound(label, q, runs, fits[()])
         if not isinstance(bound, str):
             return keys, {(): bound}
-    switches = [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1]
+    switches = list(varying)
     while any(isinstance(v, str) for v in fits.values()) and switches:
         best = None
         pairs = [(a, b) for i, a in enumerate(switches) for b in switches[i + 1:]][:PAIR_LIMIT]

@@ -81,11 +81,11 @@ def merge(keys: tuple, parts: dict) -> list | None:
     monos: list = []
     for terms in parts.values():
         monos += [m for _, m in terms if m not in monos]
+    by_degree = [_multipliers(names, points, degree) for degree in range(1, MAX_DEGREE + 1)]
     out = []
     for m in monos:
         coefs = [sum((c for c, mm in parts[p] if mm == m), Fraction(0)) for p in order]
-        for degree in range(1, MAX_DEGREE + 1):
-            mults = _multipliers(names, points, degree)
+        for mults in by_degree:
             sol = _sparsest(_Problem(points, coefs, mults))
             if sol is not None:
                 break
