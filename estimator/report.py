@@ -366,12 +366,17 @@ def _section_groups(report) -> list[str]:
         _text_groups(report)
 
 
+def _section_warnings(report) -> list[str]:
+    """What the estimate assumed in place of the command line (e.g. 8 GPUs per node for `--nproc_per_node gpu`):
+    at every detail level, since it changes the answer."""
+    return _wrap([f"warning: {w}" for w in getattr(report.cfg, "warnings", []) or []])
+
+
 def _section_notes(report) -> list[str]:
     cfg = report.cfg
-    out = [f"warning: {w}" for w in getattr(cfg, "warnings", []) or []]
-    if cfg.ignored_args:
-        out += ["Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)]
-    return _wrap(out)
+    if not cfg.ignored_args:
+        return []
+    return _wrap(["Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)])
 
 
 def _section_modelled(report) -> list[str]:
@@ -388,6 +393,7 @@ def _section_summary(report) -> list[str]:
 # The text report, in order: (lowest --detail that shows it, renderer). A new section is one more entry.
 SECTIONS = [
     (0, _section_summary),
+    (0, _section_warnings),
     (0, _section_modelled),
     (1, _section_config),
     (1, _section_formulas),

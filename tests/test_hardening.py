@@ -94,6 +94,8 @@ def test_torchrun_nproc_gpu_and_auto_assume_an_8_gpu_node_and_say_so(value, caps
     doc = json.loads(out)
     assert doc["config"]["world_size"] == 16 and len(doc["ranks"]) == 16
     assert any(f"--nproc_per_node {value}" in w and "assumes 8" in w for w in doc["config"]["warnings"])
+    rc, out, err = run(["--nproc_per_node", value, "--nnodes", "2", "--detail", "0"], capsys)
+    assert rc == 0 and f"warning: --nproc_per_node {value}" in out, out   # the summary says it too
 
 
 def test_megatron_core_rejections_the_estimator_now_shares(capsys):
