@@ -206,36 +206,7 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     before its backward - kept + full). Equal units are one shared tuple, built once per (set, config)."""
     if not isinstance(cache, LayerCache):
         return _composed_chunk(cache, moe_flags, first, last, recv_input)
-    hidden = cache.hidden
-    units = []
-    if recv_input:
-        units.append(cache.recv_unit)
-    data = cache.data_ops(first, last)
-    if data:
-        units.append(cache.model_unit(data))
-    if first:
-        units.append(cache.model_unit(FIRST_OPS))
-    groups = recomputed_groups(cache.cfg, len(moe_flags))
-    memo = cache.units
-    u = None
-    sent = 0.0
-    layer_kept = []
-    for lo, hi, ckpt in groups:
-        key = (tuple(moe_flags[lo:hi]), ckpt, first, last)
-        hit = memo.get(key)
-        if hit is None:
-            hit = memo[key] = _group_unit(cache, key)
-        u, sent = hit
-        units.append(u)
-        layer_kept.append(u[0])
-    if not last and u is not None:
-        # The stage output is sent and pseudo-freed (deallocate_pipeline_outputs); nothing on this rank saves it.
-        # A per-point backward peak is measured above the level with the layer's output counted (its consumer's
-        # backward frees it first, so it is counted as freed there): the bytes taken off `full` are added back.
-        kept, full, fwd, bwd, rows = u
-        units[-1] = (kept - hidden, full - hidden, fwd, bwd + sent, rows)
-    if last:
-        units.append(cache.model_unit(LAST_OPS))
+    units, _, layer_kept = chunk_units(cache, moe_flags, first, last, recv_input)
     # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
     # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
     acts = fold_chunk(units)
@@ -248,8 +219,53 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     return acts, per_op_bytes(units)
 
 
-def _group_unit(cache: LayerCache, key) -> Tuple[tuple, float]:
-    """(unit, bytes the stage's sent output adds to its backward) for one layer or checkpoint group."""
+def chunk_units(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
+                recv_input: bool) -> Tuple[list, list, list]:
+    """(units, kinds, each layer unit's kept bytes before the sent-output adjustment) of a chunk in forward order (chunk_activations folds them; estimator.alloc_stream turns them
+    into tensors). kinds[i]: ("recv",), ("model",), ("layer", held) or ("ckpt", held), and for the last layer
+    unit of a stage that sends its output ("layer" | "ckpt", held, sent): held = what the backward holds from
+    before it (LayerCache.held_bwd), sent = what the sent output adds back to the backward."""
+    hidden = cache.hidden
+    units, kinds, layer_kept = [], [], []
+    if recv_input:
+        units.append(cache.recv_unit)
+        kinds.append(("recv",))
+    data = cache.data_ops(first, last)
+    if data:
+        units.append(cache.model_unit(data))
+        kinds.append(("model",))
+    if first:
+        units.append(cache.model_unit(FIRST_OPS))
+        kinds.append(("model",))
+    groups = recomputed_groups(cache.cfg, len(moe_flags))
+    memo = cache.units
+    u = None
+    sent = 0.0
+    for lo, hi, ckpt in groups:
+        key = (tuple(moe_flags[lo:hi]), ckpt, first, last)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = _group_unit(cache, key)
+        u, sent, _ = hit
+        units.append(u)
+        layer_kept.append(u[0])
+        kinds.append(("ckpt" if ckpt else "layer", hit[2]))
+    if not last and u is not None:
+        # The stage output is sent and pseudo-freed (deallocate_pipeline_outputs); nothing on this rank saves it.
+        # A per-point backward peak is measured above the level with the layer's output counted (its consumer's
+        # backward frees it first, so it is counted as freed there): the bytes taken off `full` are added back.
+        kept, full, fwd, bwd, rows = u
+        units[-1] = (kept - hidden, full - hidden, fwd, bwd + sent, rows)
+        kinds[-1] = kinds[-1] + (sent,)
+    if last:
+        units.append(cache.model_unit(LAST_OPS))
+        kinds.append(("model",))
+    return units, kinds, layer_kept
+
+
+def _group_unit(cache: LayerCache, key) -> Tuple[tuple, float, float]:
+    """(unit, bytes the stage's sent output adds to its backward, bytes its backward holds from before it) for one
+    layer or checkpoint group."""
     kinds_moe, ckpt, first, last = key
     sel = "selective" if cache.sw["recompute"] == "selective" else "none"
     rec = "none" if ckpt else sel
@@ -262,8 +278,8 @@ def _group_unit(cache: LayerCache, key) -> Tuple[tuple, float]:
     if ckpt:
         # Forward runs without saving; backward re-runs it: its saved bytes come back on top of the input.
         h = cache.hidden
-        return (h, s + h, max(f, h), b + held, rows), sent
-    return (s, s, f, b + held, rows), sent
+        return (h, s + h, max(f, h), b + held, rows), sent, held
+    return (s, s, f, b + held, rows), sent, held
 
 
 @dataclass

@@ -39,7 +39,11 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
                           2: bad input)
   --cuda-context-gib X    allowance for the CUDA context per GPU (default {ctx:g})
   --nccl-gib-per-communicator X   allowance per NCCL communicator (default {nccl:g})
-  --fragmentation-percent X       caching-allocator fragmentation, % of the peak (default {frag:g})
+  --fragmentation-percent X       caching-allocator fragmentation, % of the peak (default: the
+                          modelled reserved minus allocated; {frag:g} with --search)
+  --cuda-alloc-conf CONF  PyTorch caching-allocator settings for the modelled reserved memory, as
+                          PYTORCH_CUDA_ALLOC_CONF (default: $PYTORCH_ALLOC_CONF or
+                          $PYTORCH_CUDA_ALLOC_CONF when set), e.g. expandable_segments:True
   --detail N              0 summary only; 1 (default) + memory by category, per-rank table,
                           communication per dimension; 2 + model tree, every collective, process
                           groups; 3 + every stage's tree
@@ -72,6 +76,7 @@ class Report:
     comm: C.CommReport
     _rank_params: Optional[list] = None
     budget: Optional[V.Budget] = None   # allowances and, with --gpu-memory, the verdict (estimator.verdict)
+    reserved: Optional[object] = None   # estimator.reserved.ReservedModel: modelled reserved memory per stage
 
     @property
     def rank_params(self) -> list:
@@ -115,6 +120,7 @@ OWN_OPTIONS = {
     "--cuda-context-gib": ("cuda_context_gib", "float"),
     "--nccl-gib-per-communicator": ("nccl_gib_per_communicator", "float"),
     "--fragmentation-percent": ("fragmentation_percent", "float"),
+    "--cuda-alloc-conf": ("cuda_alloc_conf", "str"),
 }
 
 
@@ -124,7 +130,7 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
     flags; preset flags go first, so the user's flags after them win."""
     own = {"json": False, "exit_code": False, "formulas": None, "help": False, "png": None, "gpu_memory": None,
            "detail": 1, "cuda_context_gib": None, "nccl_gib_per_communicator": None, "fragmentation_percent": None,
-           "search": False, "top": 20}
+           "search": False, "top": 20, "cuda_alloc_conf": None}
     rest: list[str] = []
     preset_flags: list[str] = []
     i = 0
@@ -191,6 +197,8 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     comm = C.communication(cfg, layout, chunks)
     invariants.check_comm(comm)
     report = Report(cfg, fset, est, layout, comm)
+    from estimator import reserved as RES   # the caching-allocator replay: single estimates only (not --search)
+    report.reserved = RES.model(cfg, fset, est, own["cuda_alloc_conf"])
     gpu = V.parse_gpu(own["gpu_memory"]) if own["gpu_memory"] is not None else None
     report.budget = V.budget(report, gpu, **{k: own[k] for k in V.DEFAULTS})
     return report

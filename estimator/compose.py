@@ -46,6 +46,7 @@ class ComposedCache:
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input
         self._values: dict = {}
+        self._parts: dict = {}   # id(values) -> (values, each quantity's term values where measured): parts()
         self._by_label: dict = {}
         for sf in fset.segments:
             self._by_label.setdefault(sf.label, []).append(sf)
@@ -80,6 +81,7 @@ class ComposedCache:
         entry's runs had the config's switch values; else extrapolated: the largest value among the determined
         entries nearest the config's switches (fewest `when` values differing from it)."""
         vals, measured = [], True
+        terms: list = [None] * 4
         env = ChainMap(F.indicators(sw), self.env)     # a layer's own switches (dense / MoE, recompute)
         for i in range(4):
             have = [sf for sf in self._by_label.get(label, []) if sf.quantities[i] is not F.NOT_GIVEN]
@@ -89,6 +91,7 @@ class ComposedCache:
             match = next((sf for sf in have if sf.matches(sw)), None)
             if match is not None and match.covers(sw) and match.quantities[i] is not None:
                 vals.append(_sum(match.quantities[i], env))
+                terms[i] = match.quantities[i]
                 measured = measured and match.measured_for(i, sw)
                 continue
             measured = False
@@ -99,7 +102,16 @@ class ComposedCache:
             dist = [sum(sw.get(k) != v for k, v in sf.when) for sf in have]
             near = min(dist)
             vals.append(max(_sum(sf.quantities[i], env) for sf, d in zip(have, dist) if d == near))
-        return (*vals, measured)
+        out = (*vals, measured)
+        self._parts[id(out)] = (out, tuple(_term_tensors(q, env) if q else None for q in terms))
+        return out
+
+    def parts(self, values: tuple) -> tuple:
+        """Each of a segment's four quantities (`values` as sequence() items hold them) as tensor sizes taken from
+        its formula's terms (_term_tensors; negative terms included), or None where the quantity was extrapolated
+        (estimator.alloc_stream turns them into an allocation stream)."""
+        hit = self._parts.get(id(values))
+        return hit[1] if hit is not None and hit[0] is values else (None,) * 4
 
     def children(self, op: str, sw: dict) -> tuple:
         for name, when, kids in _structure(self.fset, op):
@@ -152,6 +164,21 @@ class ComposedCache:
         if label not in self._by_label:
             return      # never seen allocating in any traced run: a segment without bytes
         out.append((label, self.values(label, sw), op or label, layer))
+
+
+def _term_tensors(terms, env) -> list:
+    """A quantity's terms as tensors: a term with a small integer coefficient c (2..8) as c tensors of its
+    monomial, any other term as one tensor; zero terms dropped. A decomposition for the allocation stream: the
+    formulas give bytes, not tensors, and equal-shape tensors are what a small integer coefficient usually counts."""
+    out = []
+    for t in terms:
+        v = t.value(env)
+        if not v:
+            continue
+        c = t.coef
+        n = int(abs(c)) if c.denominator == 1 and 2 <= abs(c) <= 8 else 1
+        out += [v / n] * n
+    return out
 
 
 def _sum(terms, env) -> float:

@@ -124,7 +124,8 @@ RENAMED = {
 # get-training-info's own options (estimator.cli.OWN_OPTIONS; a test keeps the two equal): near misses of these
 # are suggested too.
 TOOL_OPTIONS = ("--json", "--exit-code", "--search", "--top", "--formulas", "--preset", "--png", "--gpu-memory",
-                "--detail", "--cuda-context-gib", "--nccl-gib-per-communicator", "--fragmentation-percent")
+                "--detail", "--cuda-context-gib", "--nccl-gib-per-communicator", "--fragmentation-percent",
+                "--cuda-alloc-conf")
 
 
 def known(flag: str) -> bool:

@@ -456,6 +456,7 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
         stage = _stage_of_rank(report)
         ranks = [rank_record(rc, stage[rc.pp]) for rc in layout.ranks]
     stages = []
+    reserved = report.reserved.by_stage() if getattr(report, "reserved", None) is not None else {}
     for r in est.ranks:
         ops = []
         for row in _op_rows(report, r.pp_rank):
@@ -463,6 +464,8 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
         stages.append({"pp_rank": r.pp_rank, "params": r.params, "expert_params": r.expert_params,
                        "bytes": {c: _int(r.bytes[c]) for c in CATEGORIES}, "peak_bytes": _int(r.peak_bytes),
                        "peak_phase": r.peak_phase, "in_flight_max": r.in_flight_max, "ops": ops})
+        if r.pp_rank in reserved:   # modelled (estimator.reserved); the settings under `reserved_model`
+            stages[-1]["reserved_bytes"] = _int(reserved[r.pp_rank].reserved_bytes)
     return {
         "format": JSON_FORMAT, "version": JSON_VERSION,
         "formula_set": {"name": report.formula_set.name, "kind": report.formula_set.kind,
@@ -481,6 +484,7 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
         "groups": groups if groups is not None else {k: [list(g) for g in v] for k, v in layout.groups.items()},
         "communication": communication if communication is not None else report.comm.to_dict(),
         "memory_budget": _budget(report).to_dict(),
+        **({"reserved_model": report.reserved.to_dict()} if getattr(report, "reserved", None) is not None else {}),
     }
 
 

@@ -370,14 +370,23 @@ def step_transient_bytes(chunks: Sequence[Iterable[ParamInfo]], dist_opt: bool, 
     named_parameters order over the model chunks. With the distributed optimizer the step runs on this DP rank's
     shards, in grad-buffer order (params reversed within each buffer), zero-sized shards skipped; the largest DP
     rank is taken. (The grad-norm pass before it keeps one param-sized temporary at a time: never larger.)"""
+    return 4 * max((max((_adam_peak(v) for v in groups.values()), default=0)
+                    for groups in optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)), default=0)
+
+
+def optimizer_groups(chunks: Sequence[Iterable[ParamInfo]], dist_opt: bool, dp_dense: int, dp_expert: int,
+                     bucket: Optional[int] = None, pp_rank: int = 0) -> List[Dict[Tuple[bool, bool], List[int]]]:
+    """The optimizer's parameter groups ((weight decay, expert) -> elements per parameter in step order), as
+    step_transient_bytes describes them: one dict without the distributed optimizer, else one per DP rank looked
+    at (the first and the last), each holding that rank's shards."""
     groups: Dict[Tuple[bool, bool], List[int]] = {}
     if not dist_opt:
         for chunk in chunks:
             for p in chunk:
                 p = p if isinstance(p, ParamInfo) else ParamInfo(*p)
                 groups.setdefault((p.ndim > 1, bool(p.expert)), []).append(p.numel)
-        return 4 * max((_adam_peak(v) for v in groups.values()), default=0)
-    best = 0
+        return [groups]
+    out = []
     dps = {False: dp_dense, True: dp_expert}
     for r in sorted({0, max(dp_dense, dp_expert) - 1}):
         groups = {}
@@ -400,8 +409,8 @@ def step_transient_bytes(chunks: Sequence[Iterable[ParamInfo]], dist_opt: bool, 
                 for i in range(len(group) - 1, -1, -1):  # buffer order: params reversed
                     if shards[i]:
                         groups.setdefault((group[i].ndim > 1, is_exp), []).append(shards[i])
-        best = max(best, max((_adam_peak(v) for v in groups.values()), default=0))
-    return 4 * best
+        out.append(groups)
+    return out
 
 
 def _adam_peak(numels: Sequence[int]) -> int:

@@ -87,10 +87,24 @@ def _stage_table(report, budget) -> list[str]:
                                      for i, (c, w) in enumerate(zip(r, widths))).rstrip()
     lines = ["Peak per pipeline stage (GiB per GPU; PyTorch peak = the estimate, the rest modelled allowances)"]
     lines += [fmt(header)] + [fmt(r) for r in rows]
+    frag = (f"{allow['fragmentation_percent']:g}% of the peak" if allow.get("fragmentation_percent") is not None
+            else "modelled (below)")
     lines.append(f"  allowances: CUDA context {allow['cuda_context_gib']:g} GiB; NCCL "
-                 f"{allow['nccl_gib_per_communicator']:g} GiB x (communicators); fragmentation "
-                 f"{allow['fragmentation_percent']:g}% of the peak")
-    return [_fit(x) for x in lines]
+                 f"{allow['nccl_gib_per_communicator']:g} GiB x (communicators); fragmentation {frag}")
+    return [_fit(x) for x in lines] + _reserved_lines(report)
+
+
+def _reserved_lines(report) -> list[str]:
+    """Modelled reserved memory per stage (estimator.reserved), beside the allocated peak."""
+    res = getattr(report, "reserved", None)
+    if res is None:
+        return []
+    from estimator.reserved import LABEL
+    items = [f"stage {s.pp_rank} {g(s.reserved_bytes)} GiB (peak +{g(s.fragmentation_bytes)})" for s in res.stages]
+    conf = res.conf.text if res.source != "defaults" else "defaults"
+    return (_wrap("  reserved (max_memory_reserved):", items, 4)
+            + _wrap(f"    {LABEL},", [f"allocator settings: {conf}"
+                                         + (f" ({res.source})" if res.source != "defaults" else "")], 4))
 
 
 def _wrap(first: str, items: list, indent: int = 10) -> list[str]:

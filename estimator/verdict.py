@@ -6,7 +6,9 @@ allowances*, each shown and each overridable:
 - CUDA context: 0.5 GiB per process (published 0.3-0.5 GB with CUDA 12's lazy module loading, DESIGN.md 9);
 - NCCL: 0.5 GiB per communicator the rank uses (about 0.5 GB per communicator, Fujii et al. 2411.06465), one
   communicator per process-group kind its collectives run in, plus the world group Megatron initialises with;
-- fragmentation: 5% of the allocated peak (the caching allocator's reserved minus allocated at the peak).
+- fragmentation: the caching allocator's reserved minus allocated. From the modelled reserved memory when the
+  report has it (estimator.reserved: the stage's predicted stream replayed through a model of the caching
+  allocator; not yet validated on a GPU), else 5% of the allocated peak; --fragmentation-percent overrides both.
 """
 from __future__ import annotations
 
@@ -135,11 +137,13 @@ def allowances(**overrides) -> dict:
 
 
 def stage_budget(pp_rank: int, peak_bytes: float, communicators: list, allow: dict,
-                 gpu: Optional[GPU] = None) -> StageBudget:
-    """One stage: allocated peak + CUDA context + NCCL per communicator + fragmentation (and the headroom)."""
+                 gpu: Optional[GPU] = None, fragmentation: Optional[float] = None) -> StageBudget:
+    """One stage: allocated peak + CUDA context + NCCL per communicator + fragmentation (and the headroom).
+    fragmentation: modelled bytes, in place of the allowance's percent of the peak."""
+    if fragmentation is None:
+        fragmentation = peak_bytes * allow["fragmentation_percent"] / 100.0
     sb = StageBudget(pp_rank, peak_bytes, allow["cuda_context_gib"] * GiB,
-                     len(communicators) * allow["nccl_gib_per_communicator"] * GiB, communicators,
-                     peak_bytes * allow["fragmentation_percent"] / 100.0)
+                     len(communicators) * allow["nccl_gib_per_communicator"] * GiB, communicators, fragmentation)
     sb.total = sb.allocated + sb.cuda_context + sb.nccl + sb.fragmentation
     if gpu is not None:
         sb.headroom = gpu.bytes - sb.total
@@ -150,6 +154,19 @@ def budget(report, gpu: Optional[GPU] = None, **overrides) -> Budget:
     """Per stage: allocated peak + CUDA context + NCCL + fragmentation, and the headroom on `gpu`."""
     allow = allowances(**overrides)
     comms = _stage_communicators(report)
-    stages = [stage_budget(r.pp_rank, r.peak_bytes, comms.get(r.pp_rank, []), allow, gpu)
+    modelled = _modelled_fragmentation(report, overrides)
+    if modelled:
+        allow.update(fragmentation_percent=None, fragmentation="modelled reserved minus allocated")
+    stages = [stage_budget(r.pp_rank, r.peak_bytes, comms.get(r.pp_rank, []), allow, gpu,
+                           modelled.get(r.pp_rank) if modelled else None)
               for r in report.estimate.ranks]
     return Budget(stages, gpu, allow)
+
+
+def _modelled_fragmentation(report, overrides: dict) -> Optional[dict]:
+    """pp stage -> the modelled reserved minus allocated (estimator.reserved), unless --fragmentation-percent was
+    given or the report has no reserved model."""
+    res = getattr(report, "reserved", None)
+    if res is None or overrides.get("fragmentation_percent") is not None:
+        return None
+    return {s.pp_rank: s.fragmentation_bytes for s in res.stages}

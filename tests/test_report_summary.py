@@ -52,9 +52,14 @@ def test_allowances_add_up_and_the_verdict_follows_the_gpu():
     report = build_report(argv + ["--gpu-memory", "H100-80GB"])
     b = report.budget
     assert b.gpu.bytes == V.GPUS["H100-80GB"] << 20
-    for s, r in zip(b.stages, report.estimate.ranks):
+    modelled = report.reserved.by_stage()   # fragmentation: the modelled reserved minus allocated by default
+    percent = build_report(argv + ["--gpu-memory", "H100-80GB", "--fragmentation-percent", "5"]).budget
+    for s, r, p in zip(b.stages, report.estimate.ranks, percent.stages):
         assert s.allocated == r.peak_bytes
-        assert s.cuda_context == 0.5 * V.GiB and s.fragmentation == pytest.approx(0.05 * r.peak_bytes)
+        assert s.fragmentation == modelled[r.pp_rank].fragmentation_bytes > 0
+        assert modelled[r.pp_rank].reserved_bytes == r.peak_bytes + s.fragmentation
+        assert p.fragmentation == pytest.approx(0.05 * r.peak_bytes)
+        assert s.cuda_context == 0.5 * V.GiB
         assert s.nccl == 0.5 * V.GiB * len(s.nccl_communicators)
         assert s.total == pytest.approx(s.allocated + s.cuda_context + s.nccl + s.fragmentation)
         assert s.headroom == pytest.approx(b.gpu.bytes - s.total)

@@ -1,7 +1,9 @@
 """`python -m tracer.report TRACE_OR_DIR [--json] [--snapshot OUT.pickle] [--png OUT.png]`
 
-Prints, per rank: the peak and the phase it happens in, what is live at the peak by category and by op, and per
-op the saved-for-backward bytes per layer per microbatch and the transient forward/backward peaks. All sizes MiB
+Prints, per rank: the peak and the phase it happens in, the reserved peak PyTorch's caching allocator would have
+had serving the traced stream (modelled: tracer.reserved; the tracing allocator does not cache), what is live at
+the peak by category and by op, and per op the saved-for-backward bytes per layer per microbatch and the transient
+forward/backward peaks. All sizes MiB
 (2**20 bytes). Bad input: one line on stderr, exit status 2.
 """
 from __future__ import annotations
@@ -66,7 +68,17 @@ def trace_state(pr: ParsedRank) -> dict:
             "cut_short": t.cut_short, "complete": not problems, "problems": problems}
 
 
-def rank_json(pr: ParsedRank, top: int = 20) -> dict:
+def reserved_json(pr: ParsedRank, conf=None) -> dict:
+    """The stream replayed through the caching-allocator model (tracer.reserved): modelled, not GPU-validated."""
+    from .reserved import modelled_reserved
+    r = modelled_reserved(pr, conf)
+    return {"label": "modelled (caching-allocator replay; not yet validated on a GPU)",
+            "settings": conf.text if conf is not None and conf.text else "defaults",
+            "reserved_peak_bytes": r["peak_reserved_bytes"], "allocated_peak_bytes": r["peak_allocated_bytes"],
+            "segments": r["peak_segments"]}
+
+
+def rank_json(pr: ParsedRank, top: int = 20, conf=None) -> dict:
     i = pr.peak_index
     return {"rank": pr.rank, "coords": pr.header.get("coords"), "events": pr.n_events, "trace": trace_state(pr),
             "truncated_bytes": pr.trace.truncated_bytes, "peak_bytes": pr.peak_bytes, "peak_event": i,
@@ -74,7 +86,8 @@ def rank_json(pr: ParsedRank, top: int = 20) -> dict:
             "peak_scope_path": pr.peak_scope_path, "allocator_peak_bytes": pr.header.get("allocator_peak_bytes"),
             "final_live_bytes": int(pr.live[-1]) if pr.n_events else 0,
             "peak_by_category": pr.peak_by_category, "peak_by_op": pr.peak_by_op[:top],
-            "steady_iteration": steady_iteration(pr), "op_summary": op_summary(pr), "op_stats": pr.op_stats}
+            "steady_iteration": steady_iteration(pr), "op_summary": op_summary(pr), "op_stats": pr.op_stats,
+            "modelled_reserved": reserved_json(pr, conf)}
 
 
 def segment_rows(pr: ParsedRank) -> list[dict]:
@@ -107,8 +120,8 @@ def format_segments(pr: ParsedRank) -> str:
     return "\n".join(L)
 
 
-def format_rank(pr: ParsedRank, top: int = 15) -> str:
-    j = rank_json(pr, top)
+def format_rank(pr: ParsedRank, top: int = 15, conf=None) -> str:
+    j = rank_json(pr, top, conf)
     L = []
     coords = " ".join(f"{k}={v}" for k, v in (j["coords"] or {}).items())
     L.append(f"== rank {pr.rank}  {coords}  ({pr.n_events:,} events, backend {pr.trace.backend})")
@@ -119,6 +132,10 @@ def format_rank(pr: ParsedRank, top: int = 15) -> str:
     if j["allocator_peak_bytes"] is not None:
         same = "equal" if j["allocator_peak_bytes"] == pr.peak_bytes else "DIFFERENT"
         L.append(f"  allocator's own peak counter: {mib(j['allocator_peak_bytes'])} MiB ({same} to the replay)")
+    res = j["modelled_reserved"]
+    L.append(f"  reserved had PyTorch's caching allocator served this stream: {mib(res['reserved_peak_bytes'])} MiB "
+             f"(allocated {mib(res['allocated_peak_bytes'])} MiB in 512 B blocks, {res['segments']} segments; "
+             f"settings {res['settings']}; {res['label']})")
     L.append("live at the peak by category (MiB):")
     for c in CATEGORIES:
         b = pr.peak_by_category.get(c, 0)
@@ -150,8 +167,12 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=15, help="contributors listed at the peak (default 15)")
     ap.add_argument("--segments", action="store_true",
                     help="also list microbatch 0's per-op segments, forward and backward (FORMATS 3.1)")
+    ap.add_argument("--cuda-alloc-conf", metavar="CONF", default="",
+                    help="caching-allocator settings (as PYTORCH_CUDA_ALLOC_CONF) for the modelled reserved peak")
     a = ap.parse_args(argv)
     try:
+        from estimator.caching_allocator import parse_alloc_conf
+        conf = parse_alloc_conf(a.cuda_alloc_conf)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ranks = parse_run(a.path)
@@ -162,13 +183,13 @@ def main(argv=None) -> int:
             if not ranks:
                 raise TraceFormatError(f"{a.path}: no rank among {a.rank}")
         if a.json:
-            docs = [rank_json(r, a.top) for r in ranks]
+            docs = [rank_json(r, a.top, conf) for r in ranks]
             if a.segments:
                 for d, r in zip(docs, ranks):
                     d["segments"] = segment_rows(r)
             _print(json.dumps({"ranks": docs}, indent=1))
         else:
-            _print("\n\n".join(format_rank(r, a.top) + ("\n" + format_segments(r) if a.segments else "")
+            _print("\n\n".join(format_rank(r, a.top, conf) + ("\n" + format_segments(r) if a.segments else "")
                                  for r in ranks))
         if a.snapshot:
             from .export import save_snapshot

@@ -1,0 +1,373 @@
+"""The predicted allocation stream of a pipeline stage: the estimate as individual tensors, in schedule order, for
+the caching-allocator model (estimator.caching_allocator) to turn into reserved memory.
+
+What becomes a tensor (megatron-core 0.16.1, checked in its code):
+- weights: one tensor per parameter, built with the model; with the distributed optimizer DDP then allocates one
+  contiguous param buffer per model chunk and dense|expert group (_ParamAndGradBuffer: torch.zeros(numel)), copies
+  each parameter into it and frees the original; the grad buffer is one more contiguous tensor per group;
+- optimizer: fp32 master copies per parameter (or per shard with the distributed optimizer) at construction when
+  the parameters are 16-bit; Adam's exp_avg / exp_avg_sq (SGD's momentum) per parameter or shard, created by the
+  first step (torch creates optimizer state lazily), in the step's parameter order
+  (static_memory.optimizer_groups); 16-bit grads' fp32 copies with them; what the per-parameter split does not
+  cover (fp8 weights, sharded data parallelism, a distributed-optimizer shard rounding) is one more tensor;
+- the optimizer step's transient: torch AdamW's per-parameter temporaries (two of a parameter's size while the
+  previous parameter's denominator is alive) on the local spec, one block otherwise;
+- activations, per microbatch and model chunk: each segment of the composed walk allocates its saved bytes as
+  one tensor per term of its formula (one tensor where a term is negative or the value extrapolated; each op of
+  a per-op set: one tensor) and its transient above them as one tensor freed at once; a segment
+  that frees bytes frees the microbatch's most recent tensors (splitting the last one); the backward replays the
+  segments in reverse; full-recompute groups keep their input and re-run their forward in the backward;
+- pipeline p2p tensors (schedule.p2p_counts) as hidden-state-sized tensors, the local attention's global buffer
+  from the first forward on.
+Two iterations are replayed (the first creates the optimizer state after its activations, the second runs with
+it). Microbatches past the first few repeat the steady 1F1B pattern, so a stage replays at most
+MAX_GROUPS microbatch groups plus the last partial one; the allocated peak is unchanged by that. Fragmentation is
+the product: the stream's tensor sizes and order are a decomposition of the formulas, so the modelled reserved
+figure is as good as that decomposition (benchmarks/reserved_model.py compares it with the real streams of the
+packed CPU traces) and is not yet validated on a GPU.
+"""
+from __future__ import annotations
+
+from . import activations as A
+from . import schedule as S
+from .static_memory import DTYPE_BYTES, chunk_buffer, ddp_bucket_size, local_spec, optimizer_groups, precision
+
+MAX_GROUPS = 1       # microbatch groups replayed before the last partial one (the steady state repeats after)
+ITERATIONS = 2
+
+
+class Stream:
+    """Events ("a", id, bytes) / ("f", id), the input of caching_allocator.replay."""
+    __slots__ = ("events", "_n")
+
+    def __init__(self):
+        self.events: list = []
+        self._n = 0
+
+    def alloc(self, nbytes) -> Optional[int]:
+        n = int(-(-nbytes // 1)) if nbytes > 0 else 0
+        if n <= 0:
+            return None
+        self._n += 1
+        self.events.append(("a", self._n, n))
+        return self._n
+
+    def free(self, i: Optional[int]) -> None:
+        if i is not None:
+            self.events.append(("f", i))
+
+    def spike(self, nbytes) -> None:
+        """A transient: allocated and freed at once."""
+        self.free(self.alloc(nbytes))
+
+
+class _Stack:
+    """One microbatch's live activation tensors on one chunk, most recent last."""
+    __slots__ = ("st", "items")
+
+    def __init__(self, st: Stream):
+        self.st, self.items = st, []
+
+    def move(self, delta: float, peak: float, parts: Optional[list] = None, cap: float = 0.0) -> None:
+        """A segment: the level reaches +peak and ends at +delta (bytes relative to where it starts). parts: the
+        tensors a positive delta is made of (used when they are all positive and add up to it); cap: the largest
+        tensor the transient is made of (a transient is the op's temporaries, not one block; 0: one block)."""
+        if delta >= 0:
+            if parts and min(parts) > 0 and abs(sum(parts) - delta) <= 1e-6 * delta:
+                for p in parts:
+                    self.push(p)
+            else:
+                self.push(delta)
+            if peak > delta:
+                self.spike(peak - delta, cap)
+        else:
+            if peak > 0:
+                self.spike(peak, cap)
+            self.pop(-delta)
+
+    def spike(self, nbytes: float, cap: float) -> None:
+        st = self.st
+        n = int(-(-nbytes // cap)) if cap > 0 else 1
+        ids = [st.alloc(nbytes / n) for _ in range(n)]
+        for i in ids:
+            st.free(i)
+
+    def push(self, nbytes: float) -> None:
+        i = self.st.alloc(nbytes)
+        if i is not None:
+            self.items.append((i, nbytes))
+
+    def pop(self, nbytes: float) -> None:
+        """Free `nbytes` from the most recent tensors; the last one freed is replaced by what it keeps."""
+        while nbytes > 0 and self.items:
+            i, n = self.items.pop()
+            self.st.free(i)
+            if n > nbytes:
+                self.push(n - nbytes)
+            nbytes -= n
+
+    def clear(self) -> None:
+        while self.items:
+            self.st.free(self.items.pop()[0])
+
+
+# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept)-----------------------------
+def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -> list:
+    """A chunk's forward as segments (forward delta / peak, backward delta / peak above the level)."""
+    h = cache.hidden
+    prog: list = [("seg", h, h, -h, 0.0)] if recv_input else []
+    if isinstance(cache, A.LayerCache):
+        units, kinds, _ = A.chunk_units(cache, moe_flags, first, last, recv_input)
+        for u, k in zip(units, kinds):
+            if k[0] == "recv":
+                continue
+            rows = [("seg", s, f, -s, b) for _, s, f, b in u[4]]
+            if k[0] == "model":
+                prog += rows
+                continue
+            held = k[1]
+            body = [("ckpt", rows, h)] if k[0] == "ckpt" else rows
+            # The backward holds `held` bytes from before the unit while its ops run (LayerCache.held_bwd).
+            prog += [("seg", 0.0, 0.0, -held, 0.0)] + body + [("seg", 0.0, 0.0, held, 0.0)]
+            if len(k) == 3:
+                prog.append(("seg", -h, 0.0, k[2], 0.0))
+        return prog
+    prog += _composed(cache.sequence(moe_flags, first, last), h, cache)
+    if not last:
+        # The stage output is sent and pseudo-freed; its gradient arrives in its place (activations._composed_chunk).
+        prog.append(("seg", -h, 0.0, h, 0.0))
+    return prog
+
+
+def _composed(items: list, h: float, cache) -> list:
+    out = []
+    for it in items:
+        if it[0] == "run":
+            out += _composed(it[1], h, cache)
+        elif it[0] == "ckpt":
+            out.append(("ckpt", _composed(it[1], h, cache), h))
+        else:
+            fd, fp, bd, bp = it[1][:4]
+            parts = cache.parts(it[1])
+            if any(parts):
+                # Temporaries are cut into tensors no larger than the phase's largest term, else the segment's.
+                top = max((max(p) for p in parts if p), default=0.0)
+                fcap = max(max(parts[1] or [0.0]), max(parts[0] or [0.0])) or top
+                bcap = max(max(parts[3] or [0.0]), max(parts[2] or [0.0])) or top
+                out.append(("seg", fd, fp, bd, bp, (parts[0], fcap, parts[2], bcap)))
+            else:
+                out.append(("seg", fd, fp, bd, bp))
+    return out
+
+
+def _forward(prog: list, stack: _Stack) -> None:
+    for it in prog:
+        if it[0] == "seg":
+            if len(it) > 5:
+                stack.move(it[1], it[2], it[5][0], it[5][1])
+            else:
+                stack.move(it[1], it[2])
+        else:   # a checkpointed group: runs, keeps only its input
+            inner = _Stack(stack.st)
+            _forward(it[1], inner)
+            inner.clear()
+            stack.push(it[2])
+
+
+def _backward(prog: list, stack: _Stack) -> None:
+    for it in reversed(prog):
+        if it[0] == "seg":
+            if len(it) > 5:
+                stack.move(it[3], it[4], it[5][2], it[5][3])
+            else:
+                stack.move(it[3], it[4])
+        else:   # recompute the group's forward, run its backward, then its input goes
+            inner = _Stack(stack.st)
+            _forward(it[1], inner)
+            _backward(it[1], inner)
+            inner.clear()
+            stack.pop(it[2])
+
+
+# ---- static memory ---------------------------------------------------------------------------------------------
+def _g(cfg, name, default=None):
+    v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+    return default if v is None else v
+
+
+def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
+    """Weights, DDP buffers and optimizer master copies as built at start-up; returns the bytes allocated."""
+    pd, gd = precision(cfg)
+    pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
+    bucket = ddp_bucket_size(cfg)
+    total = 0
+    weights = []
+    for chunk in chunks:
+        ids = [(st.alloc(p[0] * pb), bool(p[1])) for p in chunk]
+        weights.append(ids)
+        total += sum(p[0] for p in chunk) * pb
+    for ci, chunk in enumerate(chunks):
+        bsize = bucket if (pp_rank == 0 and ci == 0) else None
+        for is_exp, dp in ((False, dp_dense), (True, dp_expert)):
+            numels, lay = chunk_buffer(chunk, is_exp, dp, dist_opt, bsize)
+            if not numels:
+                continue
+            if dist_opt:   # the param buffer, then the parameters move into it
+                st.alloc(lay.numel * pb)
+                total += lay.numel * pb - sum(numels) * pb
+            st.alloc(lay.numel * gb)
+            total += lay.numel * gb
+            if dist_opt:
+                for i, e in weights[ci]:
+                    if e == is_exp:
+                        st.free(i)
+    if pd != "fp32":   # fp32 master copies, made by the optimizer's constructor
+        for n in _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, bucket):
+            st.alloc(4 * n)
+            total += 4 * n
+    return total
+
+
+def _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, bucket) -> list:
+    """Elements per parameter (or shard) in the optimizer's step order, on the DP rank holding the most."""
+    cands = optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)
+    best = max(cands, key=lambda g: sum(map(sum, g.values())), default={})
+    return [n for v in best.values() for n in v]
+
+
+def _first_step_state(cfg, st: Stream, chunks, pp_rank: int, remaining: int) -> None:
+    """Optimizer state created by the first step, and what the per-parameter split does not cover."""
+    pd, gd = precision(cfg)
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
+    opt = _g(cfg, "optimizer", "adam")
+    per = (2 if opt == "adam" else (1 if _g(cfg, "sgd_momentum", 0.9) else 0)) + (1 if gd != "fp32" else 0)
+    for n in _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, ddp_bucket_size(cfg)):
+        for _ in range(per):
+            if remaining >= 4 * n:
+                st.alloc(4 * n)
+                remaining -= 4 * n
+    if remaining > 0:
+        st.alloc(remaining)
+
+
+def _step_transient(cfg, st: Stream, chunks, pp_rank: int, transient: float) -> None:
+    if _g(cfg, "optimizer", "adam") == "adam" and local_spec(cfg):
+        dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+        dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+        dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
+        groups = optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, ddp_bucket_size(cfg), pp_rank)
+        best = max(groups, key=lambda g: max((max(v, default=0) for v in g.values()), default=0), default={})
+        for v in best.values():   # torch AdamW: denom = sqrt(v) / c then + eps, per parameter, group by group
+            prev = None
+            for n in v:
+                a = st.alloc(4 * n)
+                b = st.alloc(4 * n)
+                st.free(a)
+                st.free(prev)
+                prev = b
+            st.free(prev)
+    else:
+        st.spike(transient)
+
+
+# ---- a stage ---------------------------------------------------------------------------------------------------
+def replayed_microbatches(M: int, group: int) -> int:
+    """Microbatches replayed: all up to MAX_GROUPS + 1 groups, else MAX_GROUPS groups and the last partial one."""
+    if M <= (MAX_GROUPS + 1) * group:
+        return M
+    return MAX_GROUPS * group + (M % group or group)
+
+
+def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: float = 0.0,
+                 iterations: int = ITERATIONS, attn_buffer: float = 0.0) -> Stream:
+    """The allocation stream of one pipeline stage (module docstring). static: the stage's StaticMemory;
+    base_extra: other persistent bytes from start-up (userbuffers); attn_buffer: allocated by the first forward."""
+    pp = cfg.pipeline_model_parallel_size
+    vpp = cfg.virtual_pipeline_model_parallel_size or 1
+    vp_arg = vpp if vpp > 1 else None
+    group = getattr(cfg, "microbatch_group_size_per_vp_stage", None) or pp
+    # 1F1B keeps up to pp microbatches in flight, the interleaved schedule works in groups: a group of pp.
+    M = replayed_microbatches(cfg.num_microbatches, group if pp > 1 else 1)
+    st = Stream()
+    made = _init_static(cfg, st, stage_chunks, pp_rank, static)
+    st.alloc(base_extra)
+    progs = []
+    for c in stage_chunks:
+        _, kinds, first, last = c.key
+        progs.append(chunk_program(cache, tuple(map(bool, kinds)), first, last, recv_input=not first))
+    steps = S.order(pp, pp_rank, M, vp_arg, group)
+    recv, sends = S.p2p_flags(pp, pp_rank, vp_arg)
+    p2p = cache.hidden if pp > 1 else 0.0
+    counts, end = S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, vp_arg is not None) if p2p else \
+        ([0] * len(steps), 0)
+    held: list = []   # live p2p tensors
+
+    def p2p_to(n: int) -> None:
+        while len(held) < n:
+            held.append(st.alloc(p2p))
+        while len(held) > n:
+            st.free(held.pop())
+
+    for it in range(iterations):
+        stacks: dict = {}
+        for i, (kind, mb, c) in enumerate(steps):
+            p2p_to(counts[i])
+            if it == 0 and i == 0:
+                st.alloc(attn_buffer)
+            if kind == "F":
+                stack = stacks[(mb, c)] = _Stack(st)
+                _forward(progs[c], stack)
+            else:
+                stack = stacks.pop((mb, c))
+                _backward(progs[c], stack)
+                stack.clear()
+        p2p_to(end)
+        if it == 0:
+            _first_step_state(cfg, st, stage_chunks, pp_rank, static.total_bytes - made)
+        _step_transient(cfg, st, stage_chunks, pp_rank, static.optimizer_step_transient_bytes)
+    return st
+
+
+def _context(cfg, formula_set) -> tuple:
+    from . import formulas as F
+    from . import memory
+    fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
+    return A.cache_for(fset, cfg), memory.all_param_chunks(cfg)
+
+
+def _stage_events(cfg, ctx, rank, iterations: int) -> list:
+    from . import tp_overlap
+    from .static_memory import attention_buffer_bytes
+    cache, chunks_by_stage = ctx
+    chunks = chunks_by_stage[rank.pp_rank]
+    has_layers = any(c.key[1] for c in chunks)
+    st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static, tp_overlap.buffer_bytes(cfg), iterations,
+                      attention_buffer_bytes(cfg) if has_layers else 0.0)
+    return st.events
+
+
+def stage_stream_events(cfg, formula_set, est, pp_rank: int, iterations: int = ITERATIONS) -> list:
+    """The predicted stream of one stage of estimate `est` (same cfg and set), as caching_allocator.replay takes."""
+    rank = next(r for r in est.ranks if r.pp_rank == pp_rank)
+    return _stage_events(cfg, _context(cfg, formula_set), rank, iterations)
+
+
+def modelled_reserved(cfg, formula_set, est, conf=None, iterations: int = ITERATIONS) -> list:
+    """Per pipeline stage of estimate `est` (same cfg and set): the stage's predicted stream replayed through the
+    caching-allocator model. One dict per stage: pp_rank, reserved_bytes (peak), allocated_peak_bytes (of the
+    stream: the estimate's peak up to the decomposition and 512 B rounding), segments (peak), events."""
+    from .caching_allocator import replay
+    ctx = _context(cfg, formula_set)
+    out = []
+    for rank in est.ranks:
+        events = _stage_events(cfg, ctx, rank, iterations)
+        r = replay(events, conf)
+        out.append({"pp_rank": rank.pp_rank, "reserved_bytes": r["peak_reserved_bytes"],
+                    "allocated_peak_bytes": r["peak_allocated_bytes"], "segments": r["peak_segments"],
+                    "events": len(events)})
+    return out
