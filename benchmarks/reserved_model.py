@@ -1,13 +1,17 @@
 """Reserved-memory model: the estimator's synthesized allocation stream against the real one, on packed CPU traces.
 
-    python benchmarks/reserved_model.py [--only NAME ...] [--limit N] [--scale K ...] [--conf CONF ...] [--json FILE]
+    python benchmarks/reserved_model.py [--only NAME ...] [--limit N] [--runs DIR ...] [--scale K ...]
+                                        [--conf CONF ...] [--json FILE]
 
 For every run under fit/traces/cpu_compose (real megatron-core runs on CPU, their full allocation stream traced)
 and every rank: the real stream (tracer.reserved.allocation_events) and the estimator's stream for the same
 config and pipeline stage (estimator.alloc_stream, with the `cpu_compose` formula set) are both replayed through
 the caching-allocator model (estimator.caching_allocator), under each allocator setting (--conf; default: the
 default settings and expandable_segments:True). Printed per run: allocated peak and modelled reserved peak of
-each stream and the error of the synthesized reserved against the real stream's.
+each stream and the error of the synthesized reserved against the real stream's. `--runs DIR ...` compares other
+traced runs instead (any directory of rank<R>.trace files with their headers, e.g. the pipeline-parallel configs
+`python benchmarks/accuracy.py --only l4_pp2_1f1b_m4 l4_tp2_pp2_sp_selective l4_pp2_vpp2_m4` profiles into
+runs/accuracy/: the packed runs are all single-stage with one microbatch).
 
 The traced models are tiny (kilobyte tensors: everything lands in 2 MiB small-pool segments), so each stream is
 also replayed with every tensor of 4 KiB or more multiplied by K (--scale, default 1 and 4096; smaller ones are
@@ -61,8 +65,10 @@ def run_config(path: str) -> tuple:
 
 
 def compare(name: str, scales, confs) -> list:
-    """One row per (rank, scale, setting): real and synthesized allocated / reserved peaks."""
-    path = os.path.join(PACKED, name)
+    """One row per (rank, scale, setting): real and synthesized allocated / reserved peaks. name: a packed run, or
+    the path of a run directory."""
+    path = name if os.path.isdir(name) else os.path.join(PACKED, name)
+    name = os.path.basename(os.path.normpath(path))
     cfg, _ = run_config(path)
     est = estimate(cfg, SET)
     synth = {}
@@ -89,12 +95,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="NAME", help="only these runs (directory names)")
     ap.add_argument("--limit", type=int, help="only the first N runs (sorted by name)")
+    ap.add_argument("--runs", nargs="+", metavar="DIR", help="traced run directories instead of the packed runs")
     ap.add_argument("--scale", type=int, nargs="+", default=[1, 4096], help="size multipliers (default 1 4096)")
     ap.add_argument("--conf", nargs="+", default=["", "expandable_segments:True"],
                     help="PYTORCH_CUDA_ALLOC_CONF settings to replay under ('' = defaults)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON")
     a = ap.parse_args(argv)
-    names = a.only or sorted(d for d in os.listdir(PACKED) if os.path.isdir(os.path.join(PACKED, d)))
+    names = a.runs or a.only or sorted(d for d in os.listdir(PACKED) if os.path.isdir(os.path.join(PACKED, d)))
     if a.limit:
         names = names[:a.limit]
     confs = [(c or "default", parse_alloc_conf(c)) for c in a.conf]

@@ -41,6 +41,14 @@ def test_small_pool_packs_2mib_segments():
     assert (m.reserved, m.segments) == (4 * MiB, 2)
 
 
+def test_small_split_keeps_a_512_byte_rest():
+    m = CachingAllocator()
+    m.alloc(MiB)
+    m.alloc(MiB - 512)        # 512 B remain in the 2 MiB segment: split (should_split, small: remaining >= 512)
+    m.alloc(512)              # ... so this fits there
+    assert (m.reserved, m.allocated, m.segments) == (2 * MiB, 2 * MiB, 1)
+
+
 def test_large_split_rule_and_unsplit_block_counted_whole():
     m = CachingAllocator()
     a = m.alloc(3 * MiB)             # 20 MiB segment, 17 MiB remain > kSmallSize: split (should_split, large)
@@ -52,6 +60,16 @@ def test_large_split_rule_and_unsplit_block_counted_whole():
     m2 = CachingAllocator()
     m2.alloc(19 * MiB + 512 * 1024)
     assert (m2.allocated, m2.reserved) == (20 * MiB, 20 * MiB)
+    # Exactly 1 MiB left is not more than kSmallSize: still unsplit.
+    m3 = CachingAllocator()
+    m3.alloc(19 * MiB)
+    assert m3.allocated == 20 * MiB
+    # Pool by rounded size: 1 MiB is small (<= kSmallSize, a 2 MiB segment), 1 MiB + 1 B is large (20 MiB).
+    m4 = CachingAllocator()
+    m4.alloc(MiB)
+    assert m4.reserved == 2 * MiB
+    m4.alloc(MiB + 1)
+    assert (m4.reserved, m4.allocated) == (22 * MiB, 2 * MiB + 512)
 
 
 def test_best_fit_smallest_block():
