@@ -186,8 +186,10 @@ def _merged_stage_params(cfg: TrainingConfig) -> list:
     return stages
 
 
-def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
-    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message."""
+def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool = True) -> Report:
+    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message. reserved=False
+    leaves out the caching-allocator replay (estimator.reserved; tens of milliseconds on large layouts): the
+    verdict then takes fragmentation as a percent of the peak, as --search does."""
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
@@ -197,8 +199,9 @@ def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
     comm = C.communication(cfg, layout, chunks)
     invariants.check_comm(comm)
     report = Report(cfg, fset, est, layout, comm)
-    from estimator import reserved as RES   # the caching-allocator replay: single estimates only (not --search)
-    report.reserved = RES.model(cfg, fset, est, own["cuda_alloc_conf"])
+    if reserved:
+        from estimator import reserved as RES   # the caching-allocator replay: single estimates only (not --search)
+        report.reserved = RES.model(cfg, fset, est, own["cuda_alloc_conf"])
     gpu = V.parse_gpu(own["gpu_memory"]) if own["gpu_memory"] is not None else None
     report.budget = V.budget(report, gpu, **{k: own[k] for k in V.DEFAULTS})
     return report

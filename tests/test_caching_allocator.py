@@ -211,3 +211,23 @@ def test_conf_parsing_errors_and_ignored_keys():
                 "garbage_collection_threshold:1.5", "max_split_size_mb:abc"):
         with pytest.raises(AllocConfError):
             parse_alloc_conf(bad)
+
+
+def test_default_fast_path_equals_the_general_rules():
+    # alloc() takes a shorter path under the default settings; forced off, the general path must agree event by
+    # event on a random stream across both pools, with splits, merges and new segments.
+    import random
+    rng = random.Random(7)
+    fast, slow = CachingAllocator(), CachingAllocator()
+    slow._plain = False
+    live = []
+    for _ in range(4000):
+        if live and rng.random() < 0.45:
+            a, b = live.pop(rng.randrange(len(live)))
+            fast.free(a)
+            slow.free(b)
+        else:
+            n = rng.choice([rng.randrange(1, 4096), rng.randrange(1, 2 * MiB), rng.randrange(MiB, 40 * MiB)])
+            live.append((fast.alloc(n), slow.alloc(n)))
+        assert (fast.allocated, fast.reserved, fast.segments) == (slow.allocated, slow.reserved, slow.segments)
+    assert fast.stats() == slow.stats() and fast.peak_reserved > fast.peak_allocated
