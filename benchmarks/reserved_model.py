@@ -5,7 +5,8 @@
 
 For every run under fit/traces/cpu_compose (real megatron-core runs on CPU, their full allocation stream traced)
 and every rank: the real stream (tracer.reserved.allocation_events) and the estimator's stream for the same
-config and pipeline stage (estimator.alloc_stream, with the `cpu_compose` formula set) are both replayed through
+config and pipeline stage (estimator.alloc_stream, with the `cpu_compose` formula set; `--set cpu_local --packed
+fit/traces/cpu_local` checks the per-op sets' path on their own runs) are both replayed through
 the caching-allocator model (estimator.caching_allocator), under each allocator setting (--conf; default: the
 default settings and expandable_segments:True). Printed per run: allocated peak and modelled reserved peak of
 each stream and the error of the synthesized reserved against the real stream's. `--runs DIR ...` compares other
@@ -64,19 +65,19 @@ def run_config(path: str) -> tuple:
     return parse_args(["--nproc_per_node", str(hdr["world_size"])] + list(argv)), hdr
 
 
-def compare(name: str, scales, confs) -> list:
+def compare(name: str, scales, confs, fset: str = SET, packed: str = PACKED) -> list:
     """One row per (rank, scale, setting): real and synthesized allocated / reserved peaks. name: a packed run, or
     the path of a run directory."""
-    path = name if os.path.isdir(name) else os.path.join(PACKED, name)
+    path = name if os.path.isdir(name) else os.path.join(packed, name)
     name = os.path.basename(os.path.normpath(path))
     cfg, _ = run_config(path)
-    est = estimate(cfg, SET)
+    est = estimate(cfg, fset)
     synth = {}
     rows = []
     for pr in parse_run(path):
         stage = int((pr.header.get("coords") or {}).get("pp", 0))
         if stage not in synth:
-            synth[stage] = stage_stream_events(cfg, SET, est, stage)
+            synth[stage] = stage_stream_events(cfg, fset, est, stage)
         real = allocation_events(pr)
         for k in scales:
             for label, conf in confs:
@@ -96,12 +97,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="only these runs (directory names)")
     ap.add_argument("--limit", type=int, help="only the first N runs (sorted by name)")
     ap.add_argument("--runs", nargs="+", metavar="DIR", help="traced run directories instead of the packed runs")
+    ap.add_argument("--set", default=SET, help=f"formula set of the estimate (default {SET})")
+    ap.add_argument("--packed", default=PACKED, help="directory of packed runs (default fit/traces/cpu_compose; "
+                    "fit/traces/cpu_local with --set cpu_local checks the per-op path)")
     ap.add_argument("--scale", type=int, nargs="+", default=[1, 4096], help="size multipliers (default 1 4096)")
     ap.add_argument("--conf", nargs="+", default=["", "expandable_segments:True"],
                     help="PYTORCH_CUDA_ALLOC_CONF settings to replay under ('' = defaults)")
     ap.add_argument("--json", metavar="FILE", help="also write every row as JSON")
     a = ap.parse_args(argv)
-    names = a.runs or a.only or sorted(d for d in os.listdir(PACKED) if os.path.isdir(os.path.join(PACKED, d)))
+    names = a.runs or a.only or sorted(d for d in os.listdir(a.packed) if os.path.isdir(os.path.join(a.packed, d)))
     if a.limit:
         names = names[:a.limit]
     confs = [(c or "default", parse_alloc_conf(c)) for c in a.conf]
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     print(f"{'run':<34} {'rank':>4} {'scale':>5} {'setting':<26} {'alloc real':>11} {'alloc synth':>11} "
           f"{'rsv real':>10} {'rsv synth':>10} {'rsv err':>8}   (MiB at scale)")
     for name in names:
-        for r in compare(name, a.scale, confs):
+        for r in compare(name, a.scale, confs, a.set, a.packed):
             rows.append(r)
             err = 100.0 * (r["synth_reserved_bytes"] - r["real_reserved_bytes"]) / r["real_reserved_bytes"]
             r["reserved_error_percent"] = err

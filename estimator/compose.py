@@ -103,12 +103,12 @@ class ComposedCache:
             near = min(dist)
             vals.append(max(_sum(sf.quantities[i], env) for sf, d in zip(have, dist) if d == near))
         out = (*vals, measured)
-        self._parts[id(out)] = (out, tuple(_term_tensors(q, env) if q else None for q in terms))
+        self._parts[id(out)] = (out, tuple(term_tensors(q, env) if q else None for q in terms))
         return out
 
     def parts(self, values: tuple) -> tuple:
         """Each of a segment's four quantities (`values` as sequence() items hold them) as tensor sizes taken from
-        its formula's terms (_term_tensors; negative terms included), or None where the quantity was extrapolated
+        its formula's terms (term_tensors; negative terms included), or None where the quantity was extrapolated
         (estimator.alloc_stream turns them into an allocation stream)."""
         hit = self._parts.get(id(values))
         return hit[1] if hit is not None and hit[0] is values else (None,) * 4
@@ -166,7 +166,7 @@ class ComposedCache:
         out.append((label, self.values(label, sw), op or label, layer))
 
 
-def _term_tensors(terms, env) -> list:
+def term_tensors(terms, env) -> list:
     """A quantity's terms as tensors: a term with a small integer coefficient c (2..8) as c tensors of its
     monomial, any other term as one tensor; zero terms dropped. A decomposition for the allocation stream: the
     formulas give bytes, not tensors, and equal-shape tensors are what a small integer coefficient usually counts."""

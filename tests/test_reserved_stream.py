@@ -63,7 +63,7 @@ def test_stream_carries_the_estimate(args):
         # allocated_bytes counts blocks: 512 B multiples, and a cached block handed out whole when the rest would
         # be too small to split (<= 1 MiB in the large pool).
         rounded = replay(events)["peak_allocated_bytes"]
-        assert peak <= rounded <= 1.002 * r.peak_bytes
+        assert peak <= rounded <= 1.005 * r.peak_bytes
 
 
 def test_static_tensors_as_megatron_makes_them():
