@@ -9,6 +9,8 @@ would start.
 
 A layout fits when every pipeline stage's total fits in the GPU: the predicted allocated peak plus the same modelled
 allowances the verdict adds (estimator.verdict: CUDA context, NCCL per communicator the stage uses, fragmentation).
+Fragmentation is a percent of the peak here (5 unless --fragmentation-percent): the caching-allocator replay a
+single estimate models it with (estimator.reserved) costs too much per layout.
 """
 from __future__ import annotations
 

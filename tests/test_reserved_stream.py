@@ -149,3 +149,18 @@ def test_launch_environment_sets_the_allocator():
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --cuda-alloc-conf: max_split_size_mb too small, must be >= 20"]
+
+
+def test_tracer_report_shows_the_modelled_reserved(capsys):
+    from tracer import report
+    from tracer.parse import parse_run
+    from tracer.reserved import modelled_reserved
+    run = str(PACKED / "gpt_base_s64_b2_h64_a4")
+    assert report.main([run, "--json", "--cuda-alloc-conf", "expandable_segments:True"]) == 0
+    got = json.loads(capsys.readouterr().out)["ranks"][0]["modelled_reserved"]
+    want = modelled_reserved(parse_run(run)[0], parse_alloc_conf("expandable_segments:True"))
+    assert got["reserved_peak_bytes"] == want["peak_reserved_bytes"] == 4 << 20   # two 2 MiB small-pool pages
+    assert got["settings"] == "expandable_segments:True" and "not yet validated on a GPU" in got["label"]
+    assert report.main([run]) == 0
+    assert "reserved had PyTorch's caching allocator served this stream: 4.0000 MiB" in capsys.readouterr().out
+    assert report.main([run, "--cuda-alloc-conf", "max_split_size_mb:1"]) == 2
