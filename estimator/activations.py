@@ -221,8 +221,8 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
 
 def chunk_units(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
                 recv_input: bool) -> Tuple[list, list, list]:
-    """(units, kinds, each layer unit's kept bytes before the sent-output adjustment) of a chunk in forward order (chunk_activations folds them; estimator.alloc_stream turns them
-    into tensors). kinds[i]: ("recv",), ("model",), ("layer", held) or ("ckpt", held), and for the last layer
+    """(units, kinds, each layer unit's kept bytes before the sent-output adjustment) of a chunk in forward order
+    (chunk_activations folds them; estimator.alloc_stream turns them into tensors). kinds[i]: ("recv",), ("model",), ("layer", held) or ("ckpt", held), and for the last layer
     unit of a stage that sends its output ("layer" | "ckpt", held, sent): held = what the backward holds from
     before it (LayerCache.held_bwd), sent = what the sent output adds back to the backward."""
     hidden = cache.hidden

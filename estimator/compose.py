@@ -46,7 +46,7 @@ class ComposedCache:
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input
         self._values: dict = {}
-        self._parts: dict = {}   # id(values) -> (values, each quantity's term values where measured): parts()
+        self._parts: dict = {}   # id(values) -> (values, each quantity's terms where measured, env): parts()
         self._by_label: dict = {}
         for sf in fset.segments:
             self._by_label.setdefault(sf.label, []).append(sf)
@@ -103,7 +103,7 @@ class ComposedCache:
             near = min(dist)
             vals.append(max(_sum(sf.quantities[i], env) for sf, d in zip(have, dist) if d == near))
         out = (*vals, measured)
-        self._parts[id(out)] = (out, tuple(term_tensors(q, env) if q else None for q in terms))
+        self._parts[id(out)] = (out, terms, env)   # evaluated by parts(), which only the reserved model asks
         return out
 
     def parts(self, values: tuple) -> tuple:
@@ -111,7 +111,11 @@ class ComposedCache:
         its formula's terms (term_tensors; negative terms included), or None where the quantity was extrapolated
         (estimator.alloc_stream turns them into an allocation stream)."""
         hit = self._parts.get(id(values))
-        return hit[1] if hit is not None and hit[0] is values else (None,) * 4
+        if hit is None or hit[0] is not values:
+            return (None,) * 4
+        if len(hit) == 3:   # first ask: evaluate once
+            hit = self._parts[id(values)] = (values, tuple(term_tensors(q, hit[2]) if q else None for q in hit[1]))
+        return hit[1]
 
     def children(self, op: str, sw: dict) -> tuple:
         for name, when, kids in _structure(self.fset, op):
