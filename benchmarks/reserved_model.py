@@ -17,8 +17,9 @@ runs/accuracy/: the packed runs are all single-stage with one microbatch).
 The traced models are tiny (kilobyte tensors: everything lands in 2 MiB small-pool segments), so each stream is
 also replayed with every tensor of 4 KiB or more multiplied by K (--scale, default 1 and 4096; smaller ones are
 scalars and counters that do not grow with a model): the same tensors and order at GPU scale, which is where the
-large pool's rules (20 MiB segments, the split threshold, best fit across segments) decide fragmentation. This validates the stream synthesis against real streams, not the allocator model against
-a GPU: that needs a GPU run (README, GPU recipe).
+large pool's rules (20 MiB segments, the split threshold, best fit across segments) decide fragmentation. This
+validates the stream synthesis against real streams, not the allocator model against a GPU: that needs a GPU run
+(README, GPU recipe).
 """
 from __future__ import annotations
 
@@ -122,8 +123,8 @@ def main(argv=None) -> int:
                   f"{r['real_allocated_bytes'] / MiB:>11.2f} {r['synth_allocated_bytes'] / MiB:>11.2f} "
                   f"{r['real_reserved_bytes'] / MiB:>10.2f} {r['synth_reserved_bytes'] / MiB:>10.2f} {err:>+7.2f}%")
     print()
-    print("summary: synthesized vs real stream's modelled reserved peak, per scale and setting "
-          "(error %: median, mean |error|, worst over, worst under; overhead = reserved / allocated - 1, real vs synth)")
+    print("summary: synthesized vs real stream's modelled reserved peak, per scale and setting (error %: median, "
+          "mean |error|, worst over, worst under; overhead = reserved / allocated - 1, real vs synth)")
     for k in a.scale:
         for label, _ in confs:
             sel = [r for r in rows if r["scale"] == k and r["conf"] == label]

@@ -117,7 +117,7 @@ class _Stack:
             self.st.free(self.items.pop()[0])
 
 
-# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept)-----------------------------
+# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept) ------
 def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -> list:
     """A chunk's forward as segments (forward delta / peak, backward delta / peak above the level)."""
     h = cache.hidden

@@ -127,18 +127,20 @@ def _number(key: str, v, kind=float):
         raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} needs a number, got {v!r}") from None
 
 
+def _megabytes_from_20(key: str, value) -> int:
+    """A size option in MB that torch takes only from kLargeBuffer (20 MB) on, in bytes."""
+    mb = _number(key, value, int)
+    if mb < K_LARGE_BUFFER // MiB:
+        raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: {key} too small, must be >= {K_LARGE_BUFFER // MiB}")
+    return mb * MiB
+
+
 def _apply(cfg: AllocatorConfig, key: str, value) -> None:
     if key == "max_split_size_mb":
-        mb = _number(key, value, int)
         # parseMaxSplitSize: at least kLargeBuffer in MB, so a 1-10 MiB request's segment is never oversize.
-        if mb < K_LARGE_BUFFER // MiB:
-            raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb too small, must be >= {K_LARGE_BUFFER // MiB}")
-        cfg.max_split_size = mb * MiB
+        cfg.max_split_size = _megabytes_from_20(key, value)
     elif key == "max_non_split_rounding_mb":
-        mb = _number(key, value, int)
-        if mb < K_LARGE_BUFFER // MiB:
-            raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: max_non_split_rounding_mb too small, must be >= {K_LARGE_BUFFER // MiB}")
-        cfg.max_non_split_rounding = mb * MiB
+        cfg.max_non_split_rounding = _megabytes_from_20(key, value)
     elif key == "garbage_collection_threshold":
         t = _number(key, value)
         if not 0.0 < t < 1.0:
