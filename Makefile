@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test bench fuzz accuracy clean
+.PHONY: example test bench fuzz accuracy reserved clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ fuzz: $(VENV)/.test-ready
 # Held-out CPU configs: measured peak vs predicted with the fitted and the modelled set (about 10 min on 2 cores).
 accuracy: $(VENV)/.test-ready
 	$(PY) benchmarks/accuracy.py $(ACCURACY_ARGS)
+
+# Reserved-memory model: the estimator's synthesized allocation streams vs the packed CPU runs' real ones (20 s).
+reserved: $(VENV)/.test-ready
+	$(PY) benchmarks/reserved_model.py $(RESERVED_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
