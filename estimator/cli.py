@@ -180,13 +180,14 @@ def _merged_stage_params(cfg: TrainingConfig) -> list:
     return stages
 
 
-def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
-    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message."""
+def build_report(argv: list[str], formulas: Optional[str] = None, device: str = "cuda") -> Report:
+    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message. device="cpu":
+    the same run on the CPU (no GPU-only runtime buffers; for comparisons with CPU traces)."""
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
-    est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks)
+    est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks, device=device)
     layout = PAR.layout_from_config(cfg)
     comm = C.communication(cfg, layout, chunks)
     invariants.check_comm(comm)
