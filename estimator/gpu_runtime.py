@@ -5,7 +5,9 @@ kept for the rest of training), in the report's `gpu_runtime` category (JSON: ea
 - torch cuBLAS workspaces: aten/src/ATen/cuda/CublasHandlePool.cpp (getCurrentCUDABlasHandle ->
   setWorkspaceForHandle) allocates one workspace through the caching allocator per (cuBLAS handle, stream), and
   each thread reserves its own handle from the pool: the training loop's thread and autograd's CUDA device thread
-  (backward) each get one. Size getChosenWorkspaceSize(): every `:SIZE:COUNT` of CUBLAS_WORKSPACE_CONFIG adds
+  (torch/csrc/autograd/engine.cpp runs a device's backward on its own worker thread) each get one. (Measured
+  support: Megatron-LM's published H100 run gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files holds 96 MiB
+  + 4.5 KiB beyond weights, gradients and optimizer states after its step: these two and TE's below.) Size getChosenWorkspaceSize(): every `:SIZE:COUNT` of CUBLAS_WORKSPACE_CONFIG adds
   SIZE*COUNT KiB; unset, 4096 KiB x 8 = 32 MiB on Hopper (and Blackwell in newer torch), else 4096 KiB x 2 + 16 KiB
   x 8. Counted on every stage (conservative: a Transformer Engine stage without Megatron's own output layer, a MoE
   router or the unfused attention may run no torch GEMM). The cuBLASLt workspace (getCUDABlasLtWorkspace, 1 MiB by
