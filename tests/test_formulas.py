@@ -134,3 +134,17 @@ def test_fitted_set_falls_back_to_modelled_for_null_quantities_and_missing_ops()
     assert F.select(fitted, "layers.*", sw).evaluate(env) == F.select(modelled, "layers.*", sw).evaluate(env)
     assert ("layers.*.mlp", "fwd_peak") in fitted.fallbacks and ("layers.*", "saved") in fitted.fallbacks
     assert ("layers.*.mlp", "saved") not in fitted.fallbacks
+
+
+def test_modelled_input_batch_and_moe_gelu_experts():
+    s = F.load("modelled")
+    # Megatron-LM's GPT batch on a GPU: bool [b, 1, s/cp, s] mask, int64 tokens + position ids, int64 labels and
+    # fp32 loss mask, per microbatch in flight
+    c = cfg(bf16=True, context_parallel_size=2, seq_length=128)
+    assert F.evaluate(s, "data.mask", c)[0] == 2 * (128 // 2) * 128
+    assert F.evaluate(s, "data.tokens", c)[0] == 16 * 2 * 64 and F.evaluate(s, "data.labels", c)[0] == 12 * 2 * 64
+    # MoE experts: fc1 output, activation output and (gelu, no weighted fusion) the probs-weighted product
+    moe = dict(bf16=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, transformer_impl="transformer_engine")
+    rows = 128 * 2 * 2   # tokens x top-k (etp 1)
+    assert F.evaluate(s, "layers.*.mlp.experts", cfg(**moe))[0] == 3 * 2 * rows * 96
+    assert F.evaluate(s, "layers.*.mlp.experts", cfg(swiglu=True, **moe))[0] == 3 * 2 * rows * 96

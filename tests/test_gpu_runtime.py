@@ -167,3 +167,43 @@ def test_json_lists_the_items_and_the_after_step_level(monkeypatch):
     # outside PyTorch's allocator: its own lines in the budget, not in the allocated peak
     b = doc["memory_budget"]["stages"][0]
     assert b["allocated_peak_bytes"] == st["peak_bytes"] and b["cuda_context_bytes"] > 0 and b["nccl_bytes"] > 0
+
+
+def _core_rows(args, formulas=None, env=None, monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.delenv("NVTE_MASKED_SOFTMAX_FUSION", raising=False)
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+    base = ("--nproc_per_node 1 --num-layers 2 --hidden-size 64 --num-attention-heads 4 --micro-batch-size 1 "
+            "--global-batch-size 1 --bf16 --vocab-size 100 --tokenizer-type NullTokenizer --attention-dropout 0 "
+            "--hidden-dropout 0").split()
+    rep = cli.build_report(base + args + (["--formulas", formulas] if formulas else []))
+    return {op: d["saved"] for op, d in rep.estimate.ranks[0].per_op.items() if "core_attention" in op}
+
+
+@pytest.mark.parametrize("args, fallback", [
+    (["--seq-length", "1024", "--max-position-embeddings", "1024"], False),        # the fused kernel runs
+    (["--seq-length", "8192", "--max-position-embeddings", "8192"], True),         # sk > 4096: torch's fp32 path
+    (["--seq-length", "1024", "--max-position-embeddings", "1024", "--no-masked-softmax-fusion"], True),
+])
+def test_fp32_softmax_fallback_row_local_spec(args, fallback, monkeypatch):
+    rows = _core_rows(["--transformer-impl", "local", "--attention-softmax-in-fp32"] + args, monkeypatch=monkeypatch)
+    s = int(args[1])
+    extra = rows.get("layers.*.self_attention.core_attention_fp32_softmax", 0)
+    assert extra == (4 * 4 * s * s * 2 if fallback else 0)   # 4 bytes x heads x s^2 x b=1, x 2 layers
+    # without --attention-softmax-in-fp32 the fallback stays 16-bit: nothing added
+    rows = _core_rows(["--transformer-impl", "local"] + args, monkeypatch=monkeypatch)
+    assert "layers.*.self_attention.core_attention_fp32_softmax" not in rows
+
+
+def test_fp32_softmax_fallback_row_te_unfused_and_fitted_sets(monkeypatch):
+    te = ["--transformer-impl", "transformer_engine", "--attention-backend", "unfused", "--seq-length", "1024",
+          "--max-position-embeddings", "1024"]
+    assert "layers.*.self_attention.core_attention_fp32_softmax" not in _core_rows(te, monkeypatch=monkeypatch)
+    rows = _core_rows(te, env={"NVTE_MASKED_SOFTMAX_FUSION": "0"}, monkeypatch=monkeypatch)
+    assert rows["layers.*.self_attention.core_attention_fp32_softmax"] == 4 * 4 * 1024 * 1024 * 2
+    # a fitted set measured torch's path on CPU already: no row
+    local = ["--transformer-impl", "local", "--attention-softmax-in-fp32", "--no-masked-softmax-fusion",
+             "--seq-length", "256", "--max-position-embeddings", "256"]
+    assert "layers.*.self_attention.core_attention_fp32_softmax" not in _core_rows(local, formulas="cpu_local",
+                                                                                   monkeypatch=monkeypatch)
