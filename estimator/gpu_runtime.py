@@ -1,21 +1,22 @@
-"""GPU runtime buffers: memory a GPU run's caching allocator counts (`allocated_bytes`) that a CPU trace of the same
-run does not, per pipeline stage. Modelled from the sources cited per item, all persistent (allocated on first use,
-kept for the rest of training), in the report's `gpu_runtime` category (JSON: each stage's `gpu_runtime` items).
+"""GPU runtime buffers: memory a GPU run's caching allocator counts (`allocated_bytes`) that no formula set holds,
+per pipeline stage: all but the global memory buffer are GPU-only (a CPU trace of the same run lacks them). Modelled
+from the sources cited per item, all persistent (allocated on first use, kept for the rest of training), in the
+report's `gpu_runtime` category (JSON: each stage's `gpu_runtime` items).
 
 - torch cuBLAS workspaces: aten/src/ATen/cuda/CublasHandlePool.cpp (getCurrentCUDABlasHandle ->
   setWorkspaceForHandle) allocates one workspace through the caching allocator per (cuBLAS handle, stream), and
   each thread reserves its own handle from the pool: the training loop's thread and autograd's CUDA device thread
   (torch/csrc/autograd/engine.cpp runs a device's backward on its own worker thread) each get one. (Measured
   support: Megatron-LM's published H100 run gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files holds 96 MiB
-  + 4.5 KiB beyond weights, gradients and optimizer states after its step: these two and TE's below.) Size getChosenWorkspaceSize(): every `:SIZE:COUNT` of CUBLAS_WORKSPACE_CONFIG adds
-  SIZE*COUNT KiB; unset, 4096 KiB x 8 = 32 MiB on Hopper (and Blackwell in newer torch), else 4096 KiB x 2 + 16 KiB
-  x 8. Counted on every stage (conservative: a Transformer Engine stage without Megatron's own output layer, a MoE
+  + 4.5 KiB beyond weights, gradients and optimizer states after its step: these two and TE's below.) Size
+  getChosenWorkspaceSize(): every `:SIZE:COUNT` of CUBLAS_WORKSPACE_CONFIG adds SIZE*COUNT KiB; unset, 4096 KiB x 8
+  = 32 MiB on Hopper (and Blackwell in newer torch), else 4096 KiB x 2 + 16 KiB x 8. Counted on every stage (conservative: a Transformer Engine stage without Megatron's own output layer, a MoE
   router or the unfused attention may run no torch GEMM). The cuBLASLt workspace (getCUDABlasLtWorkspace, 1 MiB by
   default) is taken only by torch's Lt paths (addmm with a bias epilogue, scaled_mm), which megatron-core's GPT
   layers do not call: not counted.
 - Transformer Engine GEMM workspace: transformer_engine/pytorch/cpp_extensions/gemm.py get_cublas_workspace
-  (module/base.py get_workspace before TE 2.10): one per process, get_cublas_workspace_size_bytes() = 32 MiB + 1 KiB
-  on compute capability >= 9 (32 MiB before TE 2.10), 4 MiB below; whenever a TE linear runs (TE spec).
+  (module/base.py get_workspace before TE 2.11): one per process, get_cublas_workspace_size_bytes() = 32 MiB + 1 KiB
+  on compute capability >= 9 (32 MiB before TE 2.8), 4 MiB below; whenever a TE linear runs (TE spec).
 - TE grouped-GEMM workspaces: the same function with grouped_gemm=True, one per compute stream
   (nvte_get_num_compute_streams() = 4): TE GroupedLinear, i.e. MoE layers with --moe-grouped-gemm on the TE spec.
 - Megatron's global memory buffer (megatron/core/utils.py GlobalMemoryBuffer, parallel_state
@@ -72,7 +73,7 @@ def cublas_workspace_bytes(config: Optional[str], hopper: bool = True) -> int:
 
 
 def te_workspace_bytes(hopper: bool = True) -> int:
-    """TE's get_cublas_workspace_size_bytes() (TE >= 2.10: + 1 KiB for alignment and scales on Hopper)."""
+    """TE's get_cublas_workspace_size_bytes() (TE >= 2.8: + 1 KiB for alignment and scales on Hopper)."""
     return 32 * MiB + 1024 if hopper else 4 * MiB
 
 
