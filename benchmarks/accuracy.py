@@ -161,7 +161,8 @@ def predict_json(cfg: dict, formulas: str) -> dict:
     """The estimator's whole JSON report (`--json`) for this config and formula set."""
     from estimator import cli
     from estimator import report as R
-    rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + cfg["argv"], formulas=formulas)
+    # device="cpu": the measured runs are CPU runs (no GPU-only workspaces, estimator.gpu_runtime)
+    rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + cfg["argv"], formulas=formulas, device="cpu")
     return R.to_json(rep)
 
 

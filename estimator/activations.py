@@ -12,7 +12,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
-from . import fp8, moe_router, offload
+from . import fp8, fused_softmax, moe_router, offload
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -126,7 +126,8 @@ class LayerCache:
             rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
             # Modelled features that change a layer's saved bytes beyond the formula set's switches.
             extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
-                     moe_router.layer_row(self.cfg, self.env, moe)]
+                     moe_router.layer_row(self.cfg, self.env, moe),
+                     fused_softmax.layer_row(self.cfg, self.env, self.fset.kind == "modelled")]
             if any(extra):
                 rows = list(rows) + [r for r in extra if r]
             self._cache[key] = rows

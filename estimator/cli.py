@@ -186,15 +186,17 @@ def _merged_stage_params(cfg: TrainingConfig) -> list:
     return stages
 
 
-def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool = True) -> Report:
+def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool = True,
+                 device: str = "cuda") -> Report:
     """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message. reserved=False
     leaves out the caching-allocator replay (estimator.reserved; tens of milliseconds on large layouts): the
-    verdict then takes fragmentation as a percent of the peak, as --search does."""
+    verdict then takes fragmentation as a percent of the peak, as --search does. device="cpu": the same run on
+    the CPU (no GPU-only runtime buffers; for comparisons with CPU traces)."""
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
-    est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks)
+    est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks, device=device)
     layout = PAR.layout_from_config(cfg)
     comm = C.communication(cfg, layout, chunks)
     invariants.check_comm(comm)

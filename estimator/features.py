@@ -3,7 +3,7 @@ whose memory comes from a model of its implementation (no trace measured it), an
 absent. The report and the JSON list them."""
 from __future__ import annotations
 
-from estimator import fp8, offload, sharding, tp_overlap
+from estimator import fp8, fused_softmax, offload, sharding, tp_overlap
 
 
 def modelled(cfg) -> list[str]:
@@ -31,6 +31,8 @@ def modelled(cfg) -> list[str]:
         out.append("--quick-geglu: activations from the swiglu formulas")
     if cfg.cross_entropy_loss_fusion:
         out.append("--cross-entropy-loss-fusion: estimated as the unfused loss (errs high)")
+    if fused_softmax.fallback_fp32(cfg):
+        out.append("attention softmax in fp32 without the fused kernel: fp32 probabilities per layer (modelled)")
     for flag in cfg.conservative_args:
         if flag.startswith("--"):
             out.append(f"{flag.split('=')[0]}: estimated as if absent (errs high)")

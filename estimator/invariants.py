@@ -11,7 +11,7 @@ import math
 from estimator import fp8
 from estimator.formulas import FormulaError
 
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "gpu_runtime", "other")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 # Per-op rows that are the estimator's own signed corrections of the formulas, not formulas of the set: their
 # `saved` may be negative (fp8 keeps some inputs in 1 byte); they must still be finite.

@@ -6,7 +6,7 @@ from estimator._record import dataclass, field
 from . import activations as A
 from . import formulas as F
 from . import schedule as S
-from . import fp8, offload, sharding, tp_overlap
+from . import fp8, gpu_runtime, offload, sharding, tp_overlap
 from .static_memory import DTYPE_BYTES, ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
@@ -15,13 +15,15 @@ class RankEstimate:
     pp_rank: int               # TP and EP ranks of one stage hold identical shapes, so a class is a PP stage
     params: int
     expert_params: int
-    bytes: Dict[str, float]    # parameters, gradients, optimizer_states, activations, other (transient at peak)
+    bytes: Dict[str, float]    # parameters, gradients, optimizer_states, activations, gpu_runtime, other (transient)
     peak_bytes: float
     peak_phase: str
     in_flight_max: int
     per_op: Dict[str, Dict[str, float]]   # op -> saved / fwd_peak / bwd_peak bytes per microbatch (+ count)
     static: StaticMemory = None
     timeline: Optional[S.RankTimeline] = None
+    gpu_runtime: list = field(default_factory=list)  # gpu_runtime.Item: modelled persistent runtime buffers
+    after_step_bytes: float = 0.0  # held once the optimizer step is done (torch's allocated_bytes.all.current)
 
 
 @dataclass
@@ -125,10 +127,12 @@ def schedule_name(cfg) -> str:
 
 
 def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timeline: bool = False,
-             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None, per_op: bool = True) -> Estimate:
+             chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None, per_op: bool = True,
+             device: str = "cuda") -> Estimate:
     """Every rank class's static bytes, activation bytes and schedule peak for one config.
     chunks_by_stage: all_param_chunks(cfg), when the caller already has it. per_op=False leaves the per-op rows
-    empty (a layout search needs the peaks only)."""
+    empty (a layout search needs the peaks only). device="cpu": the same run on the CPU (what CPU traces
+    measure): no GPU-only runtime buffers (estimator.gpu_runtime)."""
     want_ops = per_op
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
     pp = cfg.pipeline_model_parallel_size
@@ -144,6 +148,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     memo: dict = {}  # equal chunks and equal stages (same layer kinds, same place in the model) are evaluated once
     # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
     p2p = cache.hidden if pp > 1 else 0.0
+    runtime_env = gpu_runtime.environment()
     ranks = []
     for r in range(pp):
         stage_chunks = chunks_by_stage[r]
@@ -163,10 +168,13 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                 chunk_ops.append(hit[1])
             per_op = _stage_per_op(chunk_ops) if want_ops else {}
             st = stage_static(cfg, stage_chunks, r, memo)
+            runtime = gpu_runtime.stage_items(cfg, stage_chunks, r, runtime_env, memo, gpu=device != "cpu")
+            gpu_bytes = sum([it.bytes for it in runtime])
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
-            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers
-            stage = memo[stage_key] = (chunks, per_op, st, base)
-        chunks, per_op, st, base = stage
+            base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers \
+                + gpu_bytes
+            stage = memo[stage_key] = (chunks, per_op, st, base, runtime, gpu_bytes)
+        chunks, per_op, st, base, runtime, gpu_bytes = stage
         if want_ops:
             per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
         if timeline:
@@ -181,10 +189,12 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             tl, act = S.rank_timeline(pp, r, M_, chunks, base, st.optimizer_step_transient_bytes,
                                       vp=vp_arg, group=group, p2p=p2p)
         cats = {"parameters": st.weights_bytes, "gradients": st.grad_buffer_bytes,
-                "optimizer_states": st.optimizer_bytes, "activations": act,
-                "other": tl.peak - st.total_bytes - act}
+                "optimizer_states": st.optimizer_bytes, "activations": act, "gpu_runtime": gpu_bytes,
+                "other": tl.peak - st.total_bytes - act - gpu_bytes}
+        # After the step every microbatch is freed: the persistent level plus the p2p tensors the model chunks keep.
+        after = base + (2 * sum(S.p2p_flags(pp, r, vp_arg)[0]) * p2p if p2p else 0)
         ranks.append(RankEstimate(r, st.params, st.expert_params, cats, tl.peak, tl.peak_phase, tl.in_flight_max,
-                                  per_op, st, tl if timeline else None))
+                                  per_op, st, tl if timeline else None, runtime, after))
     top = max(ranks, key=lambda x: x.peak_bytes)
     return Estimate(fset.label, ranks, top.peak_bytes, top.pp_rank, schedule_name(cfg), cache.fallbacks(),
                     cache.coverage() if fset.composed else None)

@@ -8,9 +8,10 @@ from estimator import features
 
 JSON_FORMAT = "megatron-memtrace-estimate"
 JSON_VERSION = 1
-CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "gpu_runtime", "other")
 CATEGORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_states": "optimizer states",
-                   "activations": "activations", "other": "other (transient at peak)"}
+                   "activations": "activations", "gpu_runtime": "GPU runtime buffers (modelled)",
+                   "other": "other (transient at peak)"}
 MiB, GiB = float(1 << 20), float(1 << 30)
 
 
@@ -163,7 +164,21 @@ def _text_memory(report) -> list[str]:
     rows = [[CATEGORY_LABELS[c], gib(worst.bytes[c]), mib(worst.bytes[c])] for c in CATEGORIES]
     rows.append(["total (peak)", gib(worst.peak_bytes), mib(worst.peak_bytes)])
     lines += ["  " + s for s in _table(rows, ["category", "GiB", "MiB"], right={1, 2})]
-    return lines
+    return lines + _text_gpu_runtime(report, worst)
+
+
+def _text_gpu_runtime(report, worst) -> list[str]:
+    """The GPU runtime buffers (inside the peak) and what lies outside PyTorch's allocator (beside it)."""
+    lines = [f"  GPU runtime buffers (modelled, persistent, in the peak above; after the optimizer step "
+             f"{gib(worst.after_step_bytes)} GiB stay allocated):"]
+    lines += [f"    {it.name}: {mib(it.bytes)} MiB" + (f" ({it.count} x)" if it.count > 1 else "") + f"; {it.source}"
+              for it in worst.gpu_runtime]
+    sb = next((s for s in _budget(report).stages if s.pp_rank == worst.pp_rank), None)
+    if sb is not None:
+        lines.append(f"  Outside PyTorch's allocator (modelled allowances, not in the peak): CUDA context "
+                     f"{gib(sb.cuda_context)} GiB, NCCL {gib(sb.nccl)} GiB ({len(sb.nccl_communicators)} "
+                     f"communicators)")
+    return _wrap(lines)
 
 
 def _rank_list(layout, ranks: list) -> str:
@@ -179,8 +194,8 @@ def _text_rank_table(report) -> list[str]:
     for r in report.estimate.ranks:
         rows.append([str(r.pp_rank), _rank_list(report.layout, by_stage[r.pp_rank]), human_count(r.params),
                      *(gib(r.bytes[c]) for c in CATEGORIES), gib(r.peak_bytes), str(r.in_flight_max), r.peak_phase])
-    return _table(rows, ["pp", "GPUs", "params", "weights", "grads", "optim", "activ", "other", "peak GiB",
-                         "in flight", "peak phase"], right={2, 3, 4, 5, 6, 7, 8, 9})
+    return _table(rows, ["pp", "GPUs", "params", "weights", "grads", "optim", "activ", "gpu-rt", "other",
+                         "peak GiB", "in flight", "peak phase"], right={2, 3, 4, 5, 6, 7, 8, 9, 10})
 
 
 def _text_comm(report, detail: bool = True) -> list[str]:
@@ -463,7 +478,9 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
             ops.append({k: (_int(v) if k.endswith("_bytes") else v) for k, v in row.items()})
         stages.append({"pp_rank": r.pp_rank, "params": r.params, "expert_params": r.expert_params,
                        "bytes": {c: _int(r.bytes[c]) for c in CATEGORIES}, "peak_bytes": _int(r.peak_bytes),
-                       "peak_phase": r.peak_phase, "in_flight_max": r.in_flight_max, "ops": ops})
+                       "peak_phase": r.peak_phase, "in_flight_max": r.in_flight_max,
+                       "after_step_bytes": _int(r.after_step_bytes),
+                       "gpu_runtime": [it.to_dict() for it in r.gpu_runtime], "ops": ops})
         if r.pp_rank in reserved:   # modelled (estimator.reserved); the settings under `reserved_model`
             stages[-1]["reserved_bytes"] = _int(reserved[r.pp_rank].reserved_bytes)
     return {

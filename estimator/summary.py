@@ -7,7 +7,7 @@ from __future__ import annotations
 WIDTH = 100
 GiB = float(1 << 30)
 _CATS = (("activations", "activations"), ("optimizer_states", "optimizer states"), ("gradients", "gradients"),
-         ("parameters", "weights"), ("other", "transient"))
+         ("parameters", "weights"), ("gpu_runtime", "GPU runtime buffers"), ("other", "transient"))
 
 
 def g(n: float) -> str:

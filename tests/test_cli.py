@@ -56,7 +56,8 @@ def test_json_has_every_rank_with_coordinates_and_bytes():
     assert len(doc["ranks"]) == 4
     for r in doc["ranks"]:
         assert set(r["coords"]) >= {"tp", "cp", "ep", "dp", "pp"}
-        assert set(r["bytes"]) == {"parameters", "gradients", "optimizer_states", "activations", "other"}
+        assert set(r["bytes"]) == {"parameters", "gradients", "optimizer_states", "activations", "gpu_runtime",
+                                   "other"}
         assert all(isinstance(v, int) for v in r["bytes"].values())
         assert r["peak_bytes"] >= sum(r["bytes"][c] for c in ("parameters", "gradients", "optimizer_states"))
     assert doc["max_peak_bytes"] == max(r["peak_bytes"] for r in doc["ranks"])

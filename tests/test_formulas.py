@@ -40,12 +40,13 @@ def test_local_fp32_matches_cpu_measurement():
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_korthikanti_structure_16bit(t, softmax_fp32):
     # 16-bit with dropout: sbh(10 + 24/t) without SP and 34 sbh/t with SP (hidden terms); the s^2 terms are
-    # Korthikanti's 5 a s^2 b / t (16-bit softmax output, 1-byte dropout mask, 16-bit dropout output), Megatron-LM's
-    # default; with --attention-softmax-in-fp32 the softmax output is 4 bytes: 7 a s^2 b / t.
+    # Korthikanti's 5 a s^2 b / t (16-bit softmax output, 1-byte dropout mask, 16-bit dropout output), with or
+    # without --attention-softmax-in-fp32: on a GPU the fused masked-softmax kernel returns (and saves) the
+    # probabilities in the input dtype either way (megatron-core fusions/fused_softmax.py).
     s_, b, h = 128, 2, 256
     kw = dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=t,
               attention_softmax_in_fp32=softmax_fp32)
-    s2 = 7 if softmax_fp32 else 5
+    s2 = 5
     no_s2 = lambda c: layer_saved(c) - (s2 * 8 * s_ * s_ * b / t) - 2 * 8 * s_ * b / (t if c.get("sequence_parallel") else 1)
     assert no_s2(cfg(**kw)) == pytest.approx(s_ * b * h * (10 + 24 / t))
     assert no_s2(cfg(sequence_parallel=True, **kw)) == pytest.approx(34 * s_ * b * h / t)
@@ -57,11 +58,12 @@ def test_softmax_fp32_switch():
     assert sw(bf16=True) is False and sw(fp16=True) is False  # Megatron-LM's default for 16-bit models
     assert sw(bf16=True, attention_softmax_in_fp32=True) is True
     assert sw(bf16=True, apply_query_key_layer_scaling=True) is True
-    # The unfused attention keeps 4 bytes more per score without dropout; the fp32 formulas win for fp32 configs.
+    # The modelled (GPU) set: the fused softmax kernel keeps 16-bit probabilities whatever the switch says (its
+    # fp32 fallback is what the CPU sets measure); the fp32 formulas win for fp32 configs.
     s = F.load("modelled")
     op = "layers.*.self_attention.core_attention"
     saved = lambda **kw: F.evaluate(s, op, cfg(bf16=True, **kw))[0]
-    assert saved(attention_softmax_in_fp32=True) - saved() == 4 * 8 * 128 * 128 * 2
+    assert saved(attention_softmax_in_fp32=True) == saved() == 2 * 8 * 128 * 128 * 2 + 2 * 128 * 256 * 2
     assert dict(F.select(s, op, cfg()).when)["dtype"] == "fp32"
 
 
@@ -132,3 +134,17 @@ def test_fitted_set_falls_back_to_modelled_for_null_quantities_and_missing_ops()
     assert F.select(fitted, "layers.*", sw).evaluate(env) == F.select(modelled, "layers.*", sw).evaluate(env)
     assert ("layers.*.mlp", "fwd_peak") in fitted.fallbacks and ("layers.*", "saved") in fitted.fallbacks
     assert ("layers.*.mlp", "saved") not in fitted.fallbacks
+
+
+def test_modelled_input_batch_and_moe_gelu_experts():
+    s = F.load("modelled")
+    # Megatron-LM's GPT batch on a GPU: bool [b, 1, s/cp, s] mask, int64 tokens + position ids, int64 labels and
+    # fp32 loss mask, per microbatch in flight
+    c = cfg(bf16=True, context_parallel_size=2, seq_length=128)
+    assert F.evaluate(s, "data.mask", c)[0] == 2 * (128 // 2) * 128
+    assert F.evaluate(s, "data.tokens", c)[0] == 16 * 2 * 64 and F.evaluate(s, "data.labels", c)[0] == 12 * 2 * 64
+    # MoE experts: fc1 output, activation output and (gelu, no weighted fusion) the probs-weighted product
+    moe = dict(bf16=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, transformer_impl="transformer_engine")
+    rows = 128 * 2 * 2   # tokens x top-k (etp 1)
+    assert F.evaluate(s, "layers.*.mlp.experts", cfg(**moe))[0] == 3 * 2 * rows * 96
+    assert F.evaluate(s, "layers.*.mlp.experts", cfg(swiglu=True, **moe))[0] == 3 * 2 * rows * 96

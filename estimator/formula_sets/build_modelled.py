@@ -94,16 +94,25 @@ def build():
                 # fp32: softmax output (e=4) saved by bmm; with dropout add its output (e) and mask (1 byte on GPU);
                 # forward: scores + softmax output (+ mask + dropout output)
                 ("fp32", True, False): (4, 8, 12), ("fp32", True, True): (9, 13, 12),
-                # 16-bit with --attention-softmax-in-fp32 (or --apply-query-key-layer-scaling): fp32 softmax (4)
-                # + 16-bit probs (2); forward peak at the cast back: scores (2) + their fp32 copy (4) + fp32 (4)
-                # and 16-bit (2) probs = 12 (CPU traces, megatron-core 0.16.1, bf16: 12 exactly)
-                (None, True, False): (6, 12, 12), (None, True, True): (7, 12, 12),
-                # 16-bit, Megatron-LM's default: the softmax runs in the model's dtype, like fp32 with e = 2
-                (None, False, False): (2, 4, 6), (None, False, True): (5, 7, 6),
+                # 16-bit: on a GPU the masked-softmax fusion (Megatron-LM's default) runs whenever its kernel
+                # takes the shape, and --attention-softmax-in-fp32 / --apply-query-key-layer-scaling only select
+                # the precision of the unfused torch fallback: the kernel computes in fp32 internally and returns,
+                # and saves for backward, probabilities in the input dtype (megatron-core 0.16.1
+                # fusions/fused_softmax.py FusedScaleMaskSoftmax.forward_fused_softmax -> ScaledUpperTriangMasked
+                # Softmax.forward save_for_backward(softmax_results); Transformer Engine's unfused backend:
+                # attention/dot_product_attention/softmax.py, same kernels, NVTE_MASKED_SOFTMAX_FUSION=1 by
+                # default). So the s^2 terms are those of a 16-bit softmax, like fp32 with e = 2: scores (2, the
+                # baddbmm output, alive to the end of the forward) + probs (2) [+ 1-byte mask + 2-byte dropout
+                # output]. Outside the kernel's shapes (local spec s/cp > 4096, TE s/cp >= 16384) or with
+                # --no-masked-softmax-fusion an fp32 softmax keeps 4 bytes more per score (features.modelled
+                # says so; the CPU stand-ins measure that path).
+                (None, None, False): (2, 4, 6), (None, None, True): (5, 7, 6),
             }
             for (dtype, fp32_softmax, drop), (sv, fw, bw) in variants.items():
                 for gqa in (False, True):
-                    w = {**W, "dropout": drop, "gqa": gqa, "softmax_fp32": fp32_softmax}
+                    w = {**W, "dropout": drop, "gqa": gqa}
+                    if fp32_softmax is not None:
+                        w["softmax_fp32"] = fp32_softmax
                     if dtype:
                         w["dtype"] = dtype
                     extra = gqa_kv if gqa else []
@@ -166,10 +175,18 @@ def build():
         Tk_h = "1 e s b k h st^-1"
         add("layers.*.mlp", when=M, saved=[R_h, Tk_h, "16 s b k st^-1"], fwd=[R_h, Tk_h, "16 s b k st^-1", R_h, Tk_h],
             bwd=[mul(2, R_h), Tk_h], note="dispatched tokens (experts' input) + unpermute input + int64 indices")
-        for act, mult in (("gelu", 1), ("swiglu", 2)):
-            sv = [f"{mult} e s b k etp fe st^-1 etp^-1", "1 e s b k etp fe st^-1 etp^-1"]
+        # The router's probabilities scale the activation output (megatron-core 0.16.1 experts.py, TEGroupedMLP
+        # bias_act_func and SequentialMLP's MLP(per_token_scale)): swiglu takes the fused weighted_bias_swiglu
+        # (default bias-swiglu fusion: saves its input and the probs, returns the weighted output, saved by fc2);
+        # gelu has no weighted fusion, so the activation output (saved by the multiply) and the weighted product
+        # (saved by fc2) are two tensors: 3 x R*fe/etp in all. (probs are in the router's logits dtype: the
+        # product stays 16-bit; moe_utils.topk_softmax_with_capacity .type_as(logits).)
+        for act, mult, kept in (("gelu", 1, 2), ("swiglu", 2, 1)):
+            F_e = "e s b k etp fe st^-1 etp^-1"
+            sv = [f"{mult} {F_e}", f"{kept} {F_e}"]
             add("layers.*.mlp.experts", when={**M, "activation": act}, saved=sv, fwd=sv + [R_h],
-                bwd=[sv[0], R_h], note="expert fc1 output + activation output over R = T*k*etp rows")
+                bwd=[sv[0], R_h], note="expert fc1 output + activation output (gelu: + its probs-weighted product) "
+                                       "over R = T*k*etp rows")
             svs = [f"{mult} e s b fs t^-1", "1 e s b fs t^-1"]
             add("layers.*.mlp.shared_experts", when={**M, "activation": act}, saved=svs, fwd=svs + [FULLH],
                 bwd=[svs[0], FULLH], note="shared expert fc1 + activation outputs (zero when fs = 0)")
@@ -182,6 +199,18 @@ def build():
     for normalization, stats in (("LayerNorm", HS), ("RMSNorm", HR)):
         add("final_layernorm", per="model", when={"normalization": normalization}, saved=[H, stats], fwd=[H, stats],
             bwd=[mul(2, H)])
+    # --- the input batch (Megatron-LM pretrain_gpt.py get_batch -> get_batch_on_this_tp_rank /
+    # get_batch_on_this_cp_rank): int64 tokens, labels and position ids, fp32 loss mask, and (default
+    # --create-attention-mask-in-dataloader, GPTDataset's causal mask) a [b, 1, s, s] bool mask, each sliced to
+    # s/cp query positions under CP. The mask is alive through the microbatch's forward (the causal fused softmax /
+    # flash kernels do not save it; forward_step drops it on return): counted as saved until the backward, which
+    # errs high by one mask per other microbatch in flight, and on middle stages (Megatron-LM gives them no batch).
+    add("data.mask", per="model", when={}, saved=["1 s^2 b cp"], fwd=["1 s^2 b cp"],
+        note="attention mask, bool [b, 1, s/cp, s]")
+    add("data.tokens", per="model", when={}, saved=["16 s b"], fwd=["16 s b"],
+        note="token ids (saved by the embedding lookup) + position ids, int64")
+    add("data.labels", per="model", when={}, saved=["12 s b"], fwd=["12 s b"],
+        note="labels (int64, alive through the forward) + fp32 loss mask (saved by the loss)")
     add("output_layer", per="model", when={}, saved=[], fwd=[f"1 e {LOGITS}", FULLH],
         bwd=[f"1 e {LOGITS}", FULLH, "1 e v h t^-1"],
         note="logits (s*b*v/t, activation dtype) live until the loss; grads of logits and input in backward")
@@ -197,8 +226,8 @@ def main():
             "Modelled (not fitted) per-op activation formulas for megatron-core GPT layers. Derived from the per-op "
             "breakdown of Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models' "
             "(arXiv:2205.05198), adapted to megatron-core 0.16: local spec (unfused attention, a*s^2*b terms, "
-            "the softmax in fp32 for fp32 models and with --attention-softmax-in-fp32, else in the model's dtype "
-            "as Megatron-LM runs it by default; reproduces the CPU-measured e*(16sbh + as^2b) per layer in fp32 without dropout) "
+            "the softmax in fp32 for fp32 models; 16-bit models keep it in their dtype, as the GPU's fused "
+            "masked-softmax kernel does with or without --attention-softmax-in-fp32; reproduces the CPU-measured e*(16sbh + as^2b) per layer in fp32 without dropout) "
             "and TE spec with flash attention (no s^2 terms, fused LayerNorm-linear), SP, selective recompute, "
             "gelu/swiglu, GQA, RoPE copies, CP KV chunks, MoE router/dispatch/expert buffers, embedding, final norm, "
             "fp32 logits and vocab-parallel cross-entropy. GPU dropout masks are 1 byte/element."),
