@@ -72,7 +72,7 @@ def compare(name: str, scales, confs, fset: str = SET, packed: str = PACKED) -> 
     path = name if os.path.isdir(name) else os.path.join(packed, name)
     name = os.path.basename(os.path.normpath(path))
     cfg, _ = run_config(path)
-    est = estimate(cfg, fset)
+    est = estimate(cfg, fset, device="cpu")   # a CPU trace: no GPU runtime buffers
     synth = {}
     rows = []
     for pr in parse_run(path):

@@ -343,9 +343,10 @@ def replayed_microbatches(M: int, group: int) -> int:
 
 
 def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: float = 0.0,
-                 iterations: int = ITERATIONS, attn_buffer: float = 0.0) -> Stream:
+                 iterations: int = ITERATIONS, attn_buffer: float = 0.0, runtime: tuple = ()) -> Stream:
     """The allocation stream of one pipeline stage (module docstring). static: the stage's StaticMemory;
-    base_extra: other persistent bytes from start-up (userbuffers); attn_buffer: allocated by the first forward."""
+    base_extra: other persistent bytes from start-up (userbuffers); attn_buffer: allocated by the first forward;
+    runtime: the GPU runtime buffers' sizes (runtime_tensors), persistent from start-up."""
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     vp_arg = vpp if vpp > 1 else None
@@ -355,6 +356,8 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
     st = Stream()
     made = _init_static(cfg, st, stage_chunks, pp_rank, static)
     st.alloc(base_extra)
+    for nbytes in runtime:
+        st.alloc(nbytes)
     progs = []
     for c in stage_chunks:
         _, kinds, first, last = c.key
@@ -406,8 +409,19 @@ def _stage_events(cfg, ctx, rank, iterations: int) -> list:
     chunks = chunks_by_stage[rank.pp_rank]
     has_layers = any(c.key[1] for c in chunks)
     st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static, tp_overlap.buffer_bytes(cfg), iterations,
-                      attention_buffer_bytes(cfg) if has_layers else 0.0)
+                      attention_buffer_bytes(cfg) if has_layers else 0.0, runtime_tensors(rank))
     return st.events
+
+
+def runtime_tensors(rank) -> list:
+    """The stage's GPU runtime buffers (estimator.gpu_runtime) as tensors allocated at start-up: each item's
+    `count` buffers of equal size. The 512-byte block rounding is not a tensor: the replay rounds every block."""
+    out = []
+    for it in getattr(rank, "gpu_runtime", None) or []:
+        if it.count <= 0:
+            continue
+        out += [it.bytes / it.count] * it.count
+    return out
 
 
 def stage_stream_events(cfg, formula_set, est, pp_rank: int, iterations: int = ITERATIONS) -> list:
