@@ -225,34 +225,44 @@ def run(args) -> int:
     if args.install_only:
         return 0
     with_paths(man["paths"])
-    from .campaign import run_campaign
-    start_by = t0 + 60.0 * args.budget_minutes - FIT_RESERVE_S
-    _, dirs, failures = run_campaign(args.grid, traces, args.resume, timeout=args.timeout, jobs=args.jobs,
-                                     start_by=start_by)
-    for f in failures:
-        print(f"FAILED {f}", file=sys.stderr)
-    summary = {"grid": os.path.abspath(args.grid), "grid_sha256_16": grid_hash(args.grid), "gpu": gpu,
-               "install": man, "jobs": args.jobs, "budget_minutes": args.budget_minutes,
-               "configs": {os.path.basename(d): _config_summary(d) for d in dirs}, "failures": failures}
-    fit_rc = None
-    if dirs:
-        from .pack import PackError, pack
-        try:
-            pack(traces, packed, [os.path.basename(d) for d in dirs])
-        except PackError as exc:
-            raise CampaignError(str(exc)) from None
-        cmd = [sys.executable, "-m", "fit.segment_fit", *[os.path.join(packed, os.path.basename(d)) for d in dirs],
-               "-o", set_path, "--name", name, "--jobs", str(os.cpu_count() or 1)]
-        print("fitting: " + " ".join(cmd[1:]))
-        fit_rc = subprocess.call(cmd, cwd=_repo_root())
-    summary.update(formula_set=set_path if fit_rc == 0 else None, fit_exit=fit_rc, seconds=round(time.time() - t0, 1))
+    summary = trace_and_fit(args.grid, args.out, jobs=args.jobs, start_by=t0 + 60.0 * args.budget_minutes
+                            - FIT_RESERVE_S, resume=args.resume, timeout=args.timeout)
+    summary.update(gpu=gpu, install=man, budget_minutes=args.budget_minutes, seconds=round(time.time() - t0, 1))
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
-    print(f"{len(dirs)}/{len(configs)} configs traced ({len(failures)} failed or not started) in "
-          f"{summary['seconds'] / 60:.1f} min; packed traces in {packed}; "
-          + (f"formula set {set_path}" if fit_rc == 0 else "no formula set (fit failed)")
+    print(f"{len(summary['configs'])}/{len(configs)} configs traced ({len(summary['failures'])} failed or not "
+          f"started) in {summary['seconds'] / 60:.1f} min; packed traces in {packed}; "
+          + (f"formula set {summary['formula_set']}" if summary["formula_set"] else "no formula set (fit failed)")
           + f"; summary {os.path.join(args.out, 'summary.json')}")
-    return 0 if (fit_rc == 0 and not failures) else 1
+    return 0 if (summary["formula_set"] and not summary["failures"]) else 1
+
+
+def trace_and_fit(grid_path: str, out: str, jobs: int, start_by: float | None = None, resume: bool = False,
+                  timeout: float = 300.0) -> dict:
+    """Profile the grid into <out>/traces, pack the complete configs into <out>/packed, fit <out>/<grid name>.json
+    from the packed copy. Returns the summary (per config peak and iteration times, failures, the set or None)."""
+    from .campaign import run_campaign
+    from .pack import PackError, pack
+    grid, dirs, failures = run_campaign(grid_path, os.path.join(out, "traces"), resume, timeout=timeout, jobs=jobs,
+                                        start_by=start_by)
+    for f in failures:
+        print(f"FAILED {f}", file=sys.stderr)
+    name = grid.get("name") or os.path.splitext(os.path.basename(grid_path))[0]
+    set_path, packed = os.path.join(out, f"{name}.json"), os.path.join(out, "packed")
+    names = [os.path.basename(d) for d in dirs]
+    fit_rc = None
+    if dirs:
+        try:
+            pack(os.path.join(out, "traces"), packed, names)
+        except PackError as exc:
+            raise CampaignError(str(exc)) from None
+        cmd = [sys.executable, "-m", "fit.segment_fit", *[os.path.join(packed, n) for n in names], "-o", set_path,
+               "--name", name, "--jobs", str(os.cpu_count() or 1)]
+        print("fitting: " + " ".join(cmd[1:]), flush=True)
+        fit_rc = subprocess.call(cmd, cwd=_repo_root())
+    return {"grid": os.path.abspath(grid_path), "grid_sha256_16": grid_hash(grid_path), "jobs": jobs,
+            "configs": {n: _config_summary(d) for n, d in zip(names, dirs)}, "failures": failures,
+            "formula_set": os.path.abspath(set_path) if fit_rc == 0 else None, "fit_exit": fit_rc}
 
 
 def main(argv=None) -> int:

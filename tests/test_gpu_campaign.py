@@ -190,3 +190,24 @@ def test_validation_rows_and_table_from_a_real_estimate():
     assert lines[3].split()[1:] == ["n/a"] * 11
     assert lines[4].startswith(f"allocated: median |err| {100 * row['err_allocated']:+.2f}%")
     assert "worst under-prediction none" in lines[4] and "median 4.5x" in lines[4]
+
+
+def test_trace_and_fit_pipeline_on_cpu(tmp_path):
+    """The campaign's pipeline after the GPU check (profile N at once, pack, composed fit, summary), on two tiny CPU
+    configs: the same code path the GPU grid takes, with the CPU harness in place of the CUDA allocator."""
+    from estimator.formulas import load
+    from fit.gpu_campaign import trace_and_fit
+    grid = json.loads((GRIDS / "ci_tiny.json").read_text())
+    grid.update(name="tiny2", iterations=2, configs=grid["configs"][:2])
+    path = tmp_path / "tiny2.json"
+    path.write_text(json.dumps(grid))
+    out = tmp_path / "out"
+    summary = trace_and_fit(str(path), str(out), jobs=2)
+    assert summary["failures"] == [] and summary["fit_exit"] == 0
+    assert sorted(summary["configs"]) == ["base", "s64_b1"]
+    for name, row in summary["configs"].items():
+        header = json.loads((out / "packed" / name / "rank0.json").read_text())
+        assert row["peak_bytes"] == header["allocator_peak_bytes"] > 0 and len(row["iteration_seconds"]) == 2
+        assert (out / "packed" / name / "rank0.trace.xz").is_file()
+    fset = load(summary["formula_set"])
+    assert fset.name == "tiny2" and summary["formula_set"] == str(out / "tiny2.json")
