@@ -29,7 +29,14 @@ from .campaign import GridError, _Parser, load_grid, run_cli
 
 DEFAULT_GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grids", "gpu_h100.json")
 MANIFEST = "manifest.json"
-FIT_RESERVE_S = 150.0      # packing and fitting ~100 traces on a 16-core GPU host, with margin
+
+
+def fit_reserve_seconds(n_runs: int, cores: int) -> float:
+    """Time to keep for packing and python -m fit.segment_fit. Its cost grows with the square of the runs (measured
+    on cpu_compose traces: 6.8 CPU-s for 5 runs, 25.7 for 10, ~400 for 40); labels run in parallel, at about 60%
+    efficiency; plus a minute for packing, parsing and start-up."""
+    return 60.0 + 0.26 * n_runs ** 2 / max(1.0, 0.6 * min(cores, 16))
+
 _MACHINE_OWN = ("torch", "triton", "nvidia_")   # the GPU machine's torch stack is used as it is
 
 
@@ -212,7 +219,9 @@ def run(args) -> int:
         for w in wheels["skipped"]:
             print(f"would skip {os.path.basename(w)} (the machine's own torch stack is used)")
         print(f"would profile {len(configs)} configs of {args.grid} ({args.jobs} at once) into {traces}, pack them "
-              f"into {packed}, fit {set_path}; budget {args.budget_minutes:g} min")
+              f"into {packed}, fit {set_path}; budget {args.budget_minutes:g} min, of which "
+              f"{fit_reserve_seconds(len(configs), os.cpu_count() or 1) / 60:.1f} kept for the fit on "
+              f"{os.cpu_count()} cores")
         return 0
     if not args.install_only:
         gpu = check_gpu([])
@@ -225,8 +234,9 @@ def run(args) -> int:
     if args.install_only:
         return 0
     with_paths(man["paths"])
-    summary = trace_and_fit(args.grid, args.out, jobs=args.jobs, start_by=t0 + 60.0 * args.budget_minutes
-                            - FIT_RESERVE_S, resume=args.resume, timeout=args.timeout)
+    reserve = fit_reserve_seconds(len(configs), os.cpu_count() or 1)
+    summary = trace_and_fit(args.grid, args.out, jobs=args.jobs, start_by=t0 + 60.0 * args.budget_minutes - reserve,
+                            resume=args.resume, timeout=args.timeout)
     summary.update(gpu=gpu, install=man, budget_minutes=args.budget_minutes, seconds=round(time.time() - t0, 1))
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)

@@ -44,7 +44,10 @@ def test_grid_loads_and_every_config_is_estimated(grid):
         for k, v in switches(report.cfg).items():
             seen.setdefault(k, set()).add(v)
     if grid == "gpu_h100.json":   # every switch the GPU set must know, both ways (recompute all three)
-        assert len(configs) <= 100   # ~15 s per config, 6 at once, within the 14-minute budget with its fit
+        # The budget on one H100 host (16 cores): install and probes ~2 min, ~20 s per config with 6 at once, the fit's
+        # reserve; all within the default 14 minutes, so the time guard does not have to cut the grid.
+        from fit.gpu_campaign import fit_reserve_seconds
+        assert 120 + len(configs) * 20 / 6 + fit_reserve_seconds(len(configs), 16) < 14 * 60
         for key, values in {"activation": {"gelu", "swiglu"}, "normalization": {"LayerNorm", "RMSNorm"},
                             "position": {"learned_absolute", "rope"}, "bias": {True, False}, "gqa": {True, False},
                             "tied": {True, False}, "dropout": {True, False},
@@ -116,7 +119,7 @@ def test_dry_run_prints_the_offline_pip_commands(wheels, tmp_path):
     res = _run("fit.gpu_campaign", "--wheels", str(wheels), "--out", str(tmp_path / "o"), "--dry-run")
     assert res.returncode == 0, res.stderr
     assert "-m pip install --no-index --no-deps --disable-pip-version-check --target" in res.stdout
-    assert "megatron_core-0.0.1+stub-py3-none-any.whl" in res.stdout and "would profile 98 configs" in res.stdout
+    assert "megatron_core-0.0.1+stub-py3-none-any.whl" in res.stdout and "would profile 86 configs" in res.stdout
     assert not (tmp_path / "o").exists()
 
 
