@@ -199,12 +199,15 @@ class Progress:
 
 
 def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None = None, timeout: float = 600.0,
-                 jobs: int = 1, start_by: float | None = None) -> tuple[dict, list[str], list[str]]:
+                 jobs: int = 1, start_by: float | None = None,
+                 give_up_after: int = 0) -> tuple[dict, list[str], list[str]]:
     """Profile every config not already complete; returns (grid, complete run dirs, failure lines).
 
     `jobs` configs run at once (each is its own process; on one GPU their traces are unaffected, but device
     readings then include the other processes' memory). No config starts after time.time() `start_by` (a time
-    budget): those are reported as failures "not started", so a rerun with --resume can finish them."""
+    budget): those are reported as failures "not started", so a rerun with --resume can finish them. With
+    `give_up_after` k > 0, no config starts once the first k to finish have all failed (a broken setup, not a bad
+    config: say so in seconds instead of failing the whole grid)."""
     grid, configs = load_grid(grid_path)
     if only:
         configs = [c for c in configs if c.name in set(only)]
@@ -229,11 +232,16 @@ def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None =
     prog.done = len(configs) - len(todo)
     failures = []
 
+    finished = []   # ok flags of the configs run so far, in completion order
+
     def one(c):
         if start_by is not None and time.time() > start_by:
             return c, False, "not started: the time budget ran out", None
+        if give_up_after and len(finished) >= give_up_after and not any(finished[:give_up_after]):
+            return c, False, f"not started: the first {give_up_after} configs all failed", None
         t = time.time()
         ok, why = run_one(c, out_dir, iterations, device, timeout)
+        finished.append(ok)   # here, not in the loop below: the worker's next config must see it
         return c, ok, why, time.time() - t
 
     # Threads only wait on the profiler subprocesses; results are handled here, in completion order.

@@ -164,6 +164,11 @@ out = {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torc
 if out["available"]:
     p = torch.cuda.get_device_properties(0)
     out.update(count=torch.cuda.device_count(), device=p.name, total_bytes=p.total_memory)
+    import shutil, subprocess
+    smi = shutil.which("nvidia-smi")   # compute mode: an exclusive GPU takes one process at a time
+    if smi:
+        out["compute_mode"] = subprocess.run([smi, "--query-gpu=compute_mode", "--format=csv,noheader", "-i", "0"],
+                                             capture_output=True, text=True).stdout.strip()
 print(json.dumps(out))
 """
 
@@ -226,6 +231,9 @@ def run(args) -> int:
     if not args.install_only:
         gpu = check_gpu([])
         print(f"GPU: {gpu['device']} ({gpu['total_bytes'] / 2**30:.0f} GiB), torch {gpu['torch']}, CUDA {gpu['cuda']}")
+        if "exclusive" in gpu.get("compute_mode", "").lower() and args.jobs > 1:
+            print(f"the GPU's compute mode is {gpu['compute_mode']}: one config at a time (--jobs 1)")
+            args.jobs = 1
     os.makedirs(args.out, exist_ok=True)
     man = install(args.wheels, site)
     print(f"megatron-core {man['megatron_core']}; Transformer Engine: {man['transformer_engine_note']}")
@@ -254,7 +262,7 @@ def trace_and_fit(grid_path: str, out: str, jobs: int, start_by: float | None = 
     from .campaign import run_campaign
     from .pack import PackError, pack
     grid, dirs, failures = run_campaign(grid_path, os.path.join(out, "traces"), resume, timeout=timeout, jobs=jobs,
-                                        start_by=start_by)
+                                        start_by=start_by, give_up_after=max(jobs, 3))
     for f in failures:
         print(f"FAILED {f}", file=sys.stderr)
     name = grid.get("name") or os.path.splitext(os.path.basename(grid_path))[0]

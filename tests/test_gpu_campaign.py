@@ -214,3 +214,16 @@ def test_trace_and_fit_pipeline_on_cpu(tmp_path):
         assert (out / "packed" / name / "rank0.trace.xz").is_file()
     fset = load(summary["formula_set"])
     assert fset.name == "tiny2" and summary["formula_set"] == str(out / "tiny2.json")
+
+
+def test_a_broken_setup_stops_the_campaign_early(tmp_path):
+    """When the first configs to finish all fail (here: a flag Megatron-LM does not have), the rest do not start."""
+    from fit.campaign import run_campaign
+    grid = {"name": "broken", "device": "cpu", "iterations": 1, "base": ["--no-such-megatron-flag"],
+            "configs": [{"name": f"c{i}", "set": {"--seq-length": 16 * (i + 1)}} for i in range(5)]}
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(grid))
+    _, dirs, failures = run_campaign(str(path), str(tmp_path / "out"), resume=False, jobs=1, give_up_after=2)
+    assert dirs == [] and len(failures) == 5
+    assert all("profiler exit 2" in f for f in failures[:2]), failures
+    assert all(f.endswith("not started: the first 2 configs all failed") for f in failures[2:]), failures
