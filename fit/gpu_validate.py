@@ -182,9 +182,12 @@ def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, t
     os.makedirs(d, exist_ok=True)
     est_path, meas_path = os.path.join(d, "estimate.json"), os.path.join(d, "measured.json")
     with open(est_path, "w", encoding="utf-8") as fh, open(os.path.join(d, "estimate.log"), "w") as err:
-        subprocess.run([sys.executable, os.path.join(_repo_root(), "get_training_info.py"), "--nproc_per_node", "1",
-                        *cfg.argv, "--formulas", formulas, "--json"], stdout=fh, stderr=err, cwd=_repo_root(),
-                       timeout=timeout)
+        try:
+            subprocess.run([sys.executable, os.path.join(_repo_root(), "get_training_info.py"), "--nproc_per_node",
+                            "1", *cfg.argv, "--formulas", formulas, "--json"], stdout=fh, stderr=err,
+                           cwd=_repo_root(), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            err.write(f"the estimator took over {timeout:.0f} s\n")
     _child([sys.executable, "-m", "fit.gpu_validate", "--worker", meas_path, "--iterations", str(iterations), "--",
             *cfg.argv], os.path.join(d, "untraced.log"), timeout)
     tr = None
@@ -195,8 +198,12 @@ def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, t
         tr = _load(os.path.join(tdir, "rank0.json"))
     row = compare(cfg.name, _load(est_path), _load(meas_path), tr)
     row["measured"], row["traced_header_error"] = _load(meas_path), (tr or {}).get("error")
-    if row["pred_allocated"] is None:   # the estimator's one-line error, e.g. a formula the set cannot evaluate
-        row["estimate_error"] = _last_line(os.path.join(d, "estimate.log"))
+    # Why a column is n/a: the last line of that run's log (the estimator's one-line error, a run's exception).
+    for key, missing, log in (("estimate_error", row["pred_allocated"] is None, "estimate.log"),
+                              ("untraced_error", row["meas_allocated"] is None, "untraced.log"),
+                              ("traced_error", traced and tr is None, "traced.log")):
+        if missing:
+            row[key] = _last_line(os.path.join(d, log))
     return row
 
 
@@ -243,6 +250,10 @@ def run(args) -> int:
         rows.append(validate_one(c, work, formulas, iterations, not args.no_traced, args.timeout))
     text = table(rows)
     print(text, end="")
+    for r in rows:
+        for key in ("estimate_error", "untraced_error", "traced_error"):
+            if r.get(key):
+                print(f"{r['config']}: {key.split('_')[0]} run failed: {r[key]}")
     with open(out, "w", encoding="utf-8") as fh:
         json.dump({"gpu": gpu, "install": man, "formulas": os.path.abspath(formulas), "grid": args.grid,
                    "iterations": iterations, "peak_definition": "whole process, setup included (as Megatron-LM "
