@@ -477,8 +477,8 @@ int find_cudart_cb(dl_phdr_info* info, size_t, void* out) {
   return 0;
 }
 
+// `h` may be RTLD_DEFAULT, which is the null pointer on glibc: callers check their dlopen results themselves.
 bool bind_cuda(Cuda& cu, void* h, const std::string& where) {
-  if (!h) return false;
   cu.malloc_ = reinterpret_cast<int (*)(void**, size_t)>(dlsym(h, "cudaMalloc"));
   cu.free_ = reinterpret_cast<int (*)(void*)>(dlsym(h, "cudaFree"));
   cu.mem_get_info = reinterpret_cast<int (*)(size_t*, size_t*)>(dlsym(h, "cudaMemGetInfo"));
@@ -498,12 +498,16 @@ Cuda& cuda() {
     if (bind_cuda(cu, RTLD_DEFAULT, "process (RTLD_DEFAULT)")) return;
     std::string path;
     dl_iterate_phdr(find_cudart_cb, &path);
-    if (!path.empty() && bind_cuda(cu, dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD), path)) return;
+    auto bind_opened = [](const char* name, int flags) {
+      void* h = dlopen(name, flags);
+      return h && bind_cuda(cu, h, name);
+    };
+    if (!path.empty() && bind_opened(path.c_str(), RTLD_LAZY | RTLD_NOLOAD)) return;
     const char* sonames[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"};
     for (const char* s : sonames)
-      if (bind_cuda(cu, dlopen(s, RTLD_LAZY | RTLD_NOLOAD), s)) return;
+      if (bind_opened(s, RTLD_LAZY | RTLD_NOLOAD)) return;
     for (const char* s : sonames)
-      if (bind_cuda(cu, dlopen(s, RTLD_LAZY | RTLD_GLOBAL), s)) return;
+      if (bind_opened(s, RTLD_LAZY | RTLD_GLOBAL)) return;
   });
   return cu;
 }

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 RUN_INFO = "campaign.json"
@@ -174,15 +175,17 @@ def _last_line(path: str) -> str:
 class Progress:
     """One status line on stderr, redrawn per config: bar, count, current config, elapsed and ETA."""
 
-    def __init__(self, total: int, stream=None):
+    def __init__(self, total: int, stream=None, jobs: int = 1):
         self.total, self.done, self.t0, self.stream = total, 0, time.time(), stream or sys.stderr
+        self.jobs = max(1, jobs)
         self.run_times: list[float] = []
 
     def show(self, label: str) -> None:
         width = 24
         fill = int(width * self.done / max(self.total, 1))
         el = time.time() - self.t0
-        eta = (sum(self.run_times) / len(self.run_times)) * (self.total - self.done) if self.run_times else None
+        eta = (sum(self.run_times) / len(self.run_times)) * (self.total - self.done) / self.jobs \
+            if self.run_times else None
         tail = f" eta {eta:4.0f}s" if eta is not None else ""
         end = "\r" if self.stream.isatty() else "\n"
         self.stream.write(f"[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {label:<28} "
@@ -195,9 +198,16 @@ class Progress:
             self.run_times.append(seconds)
 
 
-def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None = None,
-                 timeout: float = 600.0) -> tuple[dict, list[str], list[str]]:
-    """Profile every config not already complete; returns (grid, complete run dirs, failure lines)."""
+def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None = None, timeout: float = 600.0,
+                 jobs: int = 1, start_by: float | None = None,
+                 give_up_after: int = 0) -> tuple[dict, list[str], list[str]]:
+    """Profile every config not already complete; returns (grid, complete run dirs, failure lines).
+
+    `jobs` configs run at once (each is its own process; on one GPU their traces are unaffected, but device
+    readings then include the other processes' memory). No config starts after time.time() `start_by` (a time
+    budget): those are reported as failures "not started", so a rerun with --resume can finish them. With
+    `give_up_after` k > 0, no config starts once the first k to finish have all failed (a broken setup, not a bad
+    config: say so in seconds instead of failing the whole grid)."""
     grid, configs = load_grid(grid_path)
     if only:
         configs = [c for c in configs if c.name in set(only)]
@@ -218,18 +228,35 @@ def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None =
             raise GridError(f"{d} exists but is incomplete; move it away and --resume")
         todo.append(c)
     iterations, device = int(grid.get("iterations", 3)), grid.get("device", "cpu")
-    prog = Progress(len(configs))
+    prog = Progress(len(configs), jobs=jobs)
     prog.done = len(configs) - len(todo)
     failures = []
-    for c in todo:
-        prog.show(c.name)
+
+    finished = []   # ok flags of the configs run so far, in completion order
+
+    def one(c):
+        if start_by is not None and time.time() > start_by:
+            return c, False, "not started: the time budget ran out", None
+        if give_up_after and len(finished) >= give_up_after and not any(finished[:give_up_after]):
+            return c, False, f"not started: the first {give_up_after} configs all failed", None
         t = time.time()
         ok, why = run_one(c, out_dir, iterations, device, timeout)
-        prog.step(time.time() - t)
-        if ok:
-            dirs.append(os.path.join(out_dir, c.name))
-        else:
-            failures.append(f"{c.name}: {why}")
+        finished.append(ok)   # here, not in the loop below: the worker's next config must see it
+        return c, ok, why, time.time() - t
+
+    # Threads only wait on the profiler subprocesses; results are handled here, in completion order.
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending = [pool.submit(one, c) for c in todo]
+        if todo:
+            prog.show(todo[0].name)
+        for fut in as_completed(pending):
+            c, ok, why, seconds = fut.result()
+            prog.step(seconds)
+            prog.show(c.name)
+            if ok:
+                dirs.append(os.path.join(out_dir, c.name))
+            else:
+                failures.append(f"{c.name}: {why}")
     prog.show("done")
     order = {c.name: i for i, c in enumerate(configs)}
     dirs.sort(key=lambda d: order.get(os.path.basename(d), 0))
@@ -242,6 +269,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def run_cli(prog: str, fn, errors: tuple) -> int:
+    """fn()'s exit code; an expected error is one line `<prog>: error: ...` and exit 2, Ctrl-C a resume hint."""
+    try:
+        return fn()
+    except errors as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun with --resume to continue", file=sys.stderr)
+        return 130
+
+
 def main(argv=None) -> int:
     ap = _Parser(prog="python -m fit.campaign", description=__doc__.split("\n")[0])
     ap.add_argument("grid", help="grid JSON (see fit/grids/)")
@@ -252,40 +291,39 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="CONFIG", help="profile only these configs")
     ap.add_argument("--no-fit", action="store_true", help="profile only")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per config (default 600)")
+    ap.add_argument("--jobs", type=int, default=1, help="configs profiled at once (default 1)")
     ap.add_argument("--pack", metavar="DIR",
                     help="after profiling, pack the complete configs xz-compressed into DIR (python -m fit.pack) and "
                          "fit from DIR, so the set's provenance names the packed traces (e.g. fit/traces/<grid>)")
     args = ap.parse_args(argv)
-    try:
-        grid, _ = load_grid(args.grid)
-        name = args.name or grid.get("name") or os.path.splitext(os.path.basename(args.grid))[0]
-        out = args.out or f"campaign_{name}"
-        grid, dirs, failures = run_campaign(args.grid, out, args.resume, args.only, args.timeout)
-        for f in failures:
-            print(f"FAILED {f}", file=sys.stderr)
-        print(f"{len(dirs)} config(s) traced in {out}" + (f", {len(failures)} failed" if failures else ""))
-        if args.no_fit:
-            return 1 if failures else 0
-        if args.pack:
-            from .pack import PackError, pack
-            try:
-                pack(out, args.pack, [os.path.basename(d) for d in dirs])
-            except PackError as exc:
-                raise GridError(str(exc)) from None
-            dirs = [os.path.join(args.pack, os.path.basename(d)) for d in dirs]
-            print(f"packed {len(dirs)} config(s) into {args.pack}")
-        if not dirs:
-            raise GridError("no complete traces to fit")
-        from .__main__ import main as fit_main
-        rc = fit_main([*dirs, "-o", args.output or os.path.join(out, f"{name}.json"), "--name", name,
-                       "--description", grid.get("description", "")])
-        return rc or (1 if failures else 0)
-    except GridError as exc:
-        print(f"python -m fit.campaign: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: rerun with --resume to continue", file=sys.stderr)
-        return 130
+    return run_cli(ap.prog, lambda: _run(args), (GridError,))
+
+
+def _run(args) -> int:
+    grid, _ = load_grid(args.grid)
+    name = args.name or grid.get("name") or os.path.splitext(os.path.basename(args.grid))[0]
+    out = args.out or f"campaign_{name}"
+    grid, dirs, failures = run_campaign(args.grid, out, args.resume, args.only, args.timeout,
+                                         jobs=args.jobs)
+    for f in failures:
+        print(f"FAILED {f}", file=sys.stderr)
+    print(f"{len(dirs)} config(s) traced in {out}" + (f", {len(failures)} failed" if failures else ""))
+    if args.no_fit:
+        return 1 if failures else 0
+    if args.pack:
+        from .pack import PackError, pack
+        try:
+            pack(out, args.pack, [os.path.basename(d) for d in dirs])
+        except PackError as exc:
+            raise GridError(str(exc)) from None
+        dirs = [os.path.join(args.pack, os.path.basename(d)) for d in dirs]
+        print(f"packed {len(dirs)} config(s) into {args.pack}")
+    if not dirs:
+        raise GridError("no complete traces to fit")
+    from .__main__ import main as fit_main
+    rc = fit_main([*dirs, "-o", args.output or os.path.join(out, f"{name}.json"), "--name", name,
+                   "--description", grid.get("description", "")])
+    return rc or (1 if failures else 0)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace_reader import (FREE, MALLOC, MARK, RECORD_DTYPE, SCOPE_POP, SCOPE_PUSH, Trace, find_traces,
-                           read_trace, write_trace)
+from .trace_reader import (DEVICE_MEM, FREE, MALLOC, MALLOC_FAIL, MARK, RECORD_DTYPE, SCOPE_POP, SCOPE_PUSH, Trace,
+                           find_traces, read_trace, write_trace)
 
 CATEGORIES = ["parameter", "gradient", "optimizer", "saved", "temporary", "communication", "other"]
 PARAMETER, GRADIENT, OPTIMIZER, SAVED, TEMPORARY, COMMUNICATION, OTHER = range(len(CATEGORIES))
@@ -124,6 +124,10 @@ class ParsedRank:
     peak_scope_path: list = field(default_factory=list)    # scope names, outermost first
     marks: list = field(default_factory=list)              # [(record index, t_ns, name)]
     counter_peak_bytes: int = 0    # the allocator counter's view: max live after the last `reset_peak` MARK
+    # CUDA backend: cudaMemGetInfo at marks, [{"index", "mark", "device", "free", "total", "live"}]; total - free -
+    # live is device memory no PyTorch allocator holds (CUDA context, NCCL buffers), as the tracer does not cache
+    device_readings: list = field(default_factory=list)
+    malloc_failures: list = field(default_factory=list)    # [{"index", "size", "device"}]: allocations refused
 
     @property
     def n_events(self) -> int:
@@ -281,7 +285,20 @@ def parse_trace(trace: Trace) -> ParsedRank:
     pr.marks = [(int(i), int(pr.t_ns[i]), trace.name(int(r["tag"][i]))) for i in marks]
     resets = [i for i, _, nm in pr.marks if nm == "reset_peak"]
     pr.counter_peak_bytes = int(live[resets[-1]:].max()) if resets else peak
+    pr.device_readings = _device_readings(r, kind, marks, live, trace)
+    pr.malloc_failures = [{"index": int(i), "size": int(size[i]), "device": int(r["device"][i])}
+                          for i in np.flatnonzero(kind == MALLOC_FAIL)]
     return pr
+
+
+def _device_readings(r, kind, marks, live, trace) -> list:
+    """DEVICE_MEM records (ptr = free bytes, size = total), each named by the MARK before it (allocator.mark logs
+    the reading right after its mark)."""
+    dm = np.flatnonzero(kind == DEVICE_MEM)
+    before = np.searchsorted(marks, dm, side="right") - 1
+    return [{"index": int(i), "mark": trace.name(int(r["tag"][marks[j]])) if j >= 0 else "",
+             "device": int(r["device"][i]), "free": int(r["ptr"][i]), "total": int(r["size"][i]),
+             "live": int(live[i])} for i, j in zip(dm, before)]
 
 
 def _allocations(sc: Scopes, m_idx, f_idx, size, n, names) -> dict:

@@ -330,6 +330,9 @@ def _install_tracing(prefix: str, cpu: bool, crosscheck: Crosscheck | None = Non
     allocator.open_trace(prefix, "cuda")
     allocator.install_cuda_allocator()   # before the first CUDA allocation of the process
     patch_memory_reporting()
+    import torch
+    # This rank's GPU before the first mark: its cudaMemGetInfo reading would otherwise create a context on GPU 0.
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return "cuda"
 
 
@@ -572,6 +575,15 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         if not torch.cuda.is_available():
             raise UsageError("no CUDA device here: pass --cpu to profile on CPU with gloo")
+        if world == 1:
+            # One GPU: be the rank ourselves instead of starting torchrun and a worker (two more interpreter and
+            # torch starts, seconds per config of a GPU campaign). is_available() created no CUDA context, so
+            # the tracing allocator can still be installed first.
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            rc = worker(opts)
+            summarize(opts.out, 1)
+            return rc
         return relaunch_torchrun(opts, argv)
     except _Help:
         print(USAGE + "\n" + (__doc__ or "").split("\n\n", 2)[-1].strip())
