@@ -33,7 +33,7 @@
 #define MT_API extern "C" __attribute__((visibility("default")))
 
 // Bump when the C ABI or the file format changes: tracer/allocator.py refuses a stale prebuilt library.
-static const int kAbiVersion = 2;
+static const int kAbiVersion = 3;  // 3: cudart bound from the process scope (RTLD_DEFAULT) too
 
 namespace {
 

@@ -164,14 +164,16 @@ def test_validation_rows_and_table_from_a_real_estimate():
     _, configs = load_grid(str(GRIDS / "gpu_validate.json"))
     est = _estimate(configs[0].argv)
     alloc = est["stages"][0]["peak_bytes"]
-    assert predicted(est) == {"allocated": alloc, "reserved": None, "reserved_key": None,
+    reserved = est["stages"][0]["reserved_bytes"]     # the estimator's modelled reserved peak
+    assert predicted(est) == {"allocated": alloc, "reserved": reserved, "reserved_key": "stages.reserved_bytes",
                               "formula_set": est["formula_set"]["name"]}
     measured = {"peak_allocated": int(alloc / 1.04), "peak_reserved": alloc + (64 << 20),
                 "iteration_seconds": [5.0, 0.010, 0.012, 0.011]}
     traced = {"allocator_peak_bytes": measured["peak_allocated"] - 1000, "iteration_seconds": [9.0, 0.05, 0.06, 0.04]}
     row = compare("a", est, measured, traced)
     assert row["err_allocated"] == pytest.approx(alloc / measured["peak_allocated"] - 1) and row["err_allocated"] > 0
-    assert row["pred_reserved"] is None and row["err_reserved"] is None
+    assert row["pred_reserved"] == reserved
+    assert row["err_reserved"] == pytest.approx(reserved / measured["peak_reserved"] - 1)
     assert row["iter_s"] == 0.011 and row["traced_iter_s"] == 0.05 and row["slowdown"] == pytest.approx(0.05 / 0.011)
     assert row["traced_vs_allocated"] < 0
 
@@ -188,7 +190,7 @@ def test_validation_rows_and_table_from_a_real_estimate():
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["config", "alloc", "pred", "alloc"] and len(lines) == 5
     assert f"{alloc / 2**20:.1f}" in lines[1] and f"{100 * row['err_allocated']:+.2f}%" in lines[1]
-    assert "n/a" in lines[1] and "4.5x" in lines[1]
+    assert f"{100 * row['err_reserved']:+.2f}%" in lines[1] and "4.5x" in lines[1]
     assert f"{100 * row2['err_reserved']:+.2f}%" in lines[2]
     assert lines[3].split()[1:] == ["n/a"] * 11
     assert lines[4].startswith(f"allocated: median |err| {100 * row['err_allocated']:+.2f}%")

@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-ABI_VERSION = 2  # must equal kAbiVersion in csrc/tracealloc.cpp
+ABI_VERSION = 3  # must equal kAbiVersion in csrc/tracealloc.cpp
 BACKENDS = {"host": 0, "cuda": 1, "cpu-hook": 2}
 
 _PKG_DIR = Path(__file__).resolve().parent
