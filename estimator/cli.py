@@ -180,10 +180,13 @@ def _merged_stage_params(cfg: TrainingConfig) -> list:
     return stages
 
 
-def build_report(argv: list[str], formulas: Optional[str] = None) -> Report:
-    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message."""
+def build_report(argv: list[str], formulas: Optional[str] = None, kernels: Optional[dict] = None) -> Report:
+    """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message. `kernels`: the
+    kernel families a traced run recorded (the accuracy benchmarks predict CPU runs); else what a GPU runs."""
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
+    if kernels is not None:
+        cfg.kernels = dict(kernels)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
     est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks)

@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from estimator.formulas import switches as config_switches
+from estimator.formulas import CPU_KERNELS, switches as config_switches
 from estimator.formulas import variables as config_variables
 
 METRICS = ("saved", "fwd_peak", "bwd_peak")
@@ -165,6 +165,9 @@ def parsed_run(path: str, accept_damaged: bool = False) -> tuple[list, dict, dic
         # Traced before the harness read --attention-softmax-in-fp32: it ran megatron-core's default, the softmax
         # in fp32 (the switch softmax_fp32 then holds whatever the dtype).
         cfg = {**cfg, "attention_softmax_in_fp32": True}
+    # The kernel families the run had (tracer.standins); traced before they were recorded: the CPU kernels.
+    kern = hdr.get("kernels")
+    cfg = {**cfg, "kernels": dict(kern) if isinstance(kern, dict) else dict(CPU_KERNELS)}
     if cfg.get("num_experts") and hdr.get("routing") != "balanced":
         raise DatasetError(f"{path}: an MoE run traced without --balanced-routing: its expert buffers follow the "
                            f"router's data-dependent choices, which no formula of the shapes fits; profile it again "
