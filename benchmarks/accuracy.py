@@ -53,8 +53,8 @@ def expand(grid: dict) -> list[dict]:
     out = []
     for c in grid["configs"]:
         argv, nproc = config_argv(base, c)
-        out.append({"name": c["name"], "argv": argv, "launcher": launcher_flags(argv), "nproc": nproc,
-                    "quick": bool(c.get("quick"))})
+        out.append({"name": c["name"], "argv": argv, "launcher": launcher_flags(argv) + list(c.get("launcher") or []),
+                    "nproc": nproc, "quick": bool(c.get("quick"))})
     return out
 
 
@@ -157,12 +157,28 @@ def profile(cfg: dict, out_dir: str, iterations: int, timeout: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ predicting
+def run_kernels(cfg: dict):
+    """The kernel families the CPU run of `cfg` has: what a GPU runs with the stand-ins (--gpu-kernels, None: the
+    estimator derives them from the flags), else the harness's plain CPU kernels (estimator.formulas.CPU_KERNELS)."""
+    from estimator.formulas import CPU_KERNELS
+    return None if "--gpu-kernels" in (cfg.get("launcher") or []) else dict(CPU_KERNELS)
+
+
+def kernels_of(cfg_dict: dict, launcher: list) -> dict:
+    """The concrete kernel families of a parsed config (TrainingConfig.to_dict()) run with these profiler options."""
+    from estimator.formulas import kernels
+    fixed = run_kernels({"launcher": launcher})
+    return fixed if fixed is not None else kernels(cfg_dict)
+
+
 def predict_json(cfg: dict, formulas: str) -> dict:
-    """The estimator's whole JSON report (`--json`) for this config and formula set."""
+    """The estimator's whole JSON report (`--json`) for this config and formula set, as run on CPU."""
     from estimator import cli
     from estimator import report as R
-    # device="cpu": the measured runs are CPU runs (no GPU-only workspaces, estimator.gpu_runtime)
-    rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + cfg["argv"], formulas=formulas, device="cpu")
+    # device="cpu": the measured runs are CPU runs (no GPU-only workspaces, estimator.gpu_runtime), with the kernels
+    # the harness ran
+    rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + cfg["argv"], formulas=formulas, device="cpu",
+                           kernels=run_kernels(cfg))
     return R.to_json(rep)
 
 

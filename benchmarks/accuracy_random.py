@@ -69,7 +69,7 @@ FEATURES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads
             "virtual_pipeline_model_parallel_size", "data_parallel_size", "sequence_parallel",
             "use_distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
             "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "expert_model_parallel_size",
-            "expert_tensor_parallel_size", "moe_token_dispatcher_type")
+            "expert_tensor_parallel_size", "moe_token_dispatcher_type", "kernels")
 MIN_DIFFERENCES = 2
 
 
@@ -90,8 +90,11 @@ def _pick(rng: random.Random, weighted: dict):
     return rng.choices(keys, weights=[weighted[k] for k in keys])[0]
 
 
-def draw(seed: int, index: int) -> dict:
-    """Candidate `index` of `seed`: {name, argv, nproc, launcher, tags}. Pure function of (seed, index)."""
+def draw(seed: int, index: int, gpu_kernels: bool = False) -> dict:
+    """Candidate `index` of `seed`: {name, argv, nproc, launcher, tags}. Pure function of (seed, index,
+    gpu_kernels). With gpu_kernels the same draw runs Megatron-LM's GPU kernels on the CPU stand-ins
+    (tracer/standins.py), each family drawn from its own stream: the Transformer Engine spec (flash or unfused
+    attention) or the local one, each fusion on (Megatron-LM's default) or off."""
     rng = random.Random(f"{seed}:{index}")
     layout = LAYOUTS[index % len(LAYOUTS)]
     moe = layout.startswith("moe-")
@@ -191,16 +194,45 @@ def draw(seed: int, index: int) -> dict:
         if rng.random() < 0.3:
             argv += ["--moe-ffn-hidden-size", str(rng.choice([1, 2]) * hidden)]
         tags.append(f"e{experts}k{topk}" + ("a2a" if dispatcher == "alltoall" else "ag"))
+    launcher = ["--crosscheck"]
+    if gpu_kernels:
+        launcher.append("--gpu-kernels")
+        argv, ktags = _kernel_flags(random.Random(f"{seed}:{index}:kernels"), argv)
+        tags += ktags
     name = f"{index:03d}_" + "_".join(tags) + f"_h{hidden}s{seq}b{mb}x{nmb}l{layers}v{vocab}"
     from fit.campaign import launcher_flags
-    return {"name": name, "argv": argv, "nproc": nproc, "launcher": launcher_flags(argv) + ["--crosscheck"],
+    return {"name": name, "argv": argv, "nproc": nproc, "launcher": launcher_flags(argv) + launcher,
             "index": index, "tags": tags}
 
 
-def features(cfg_dict: dict) -> dict:
+FUSION_OFF = ("--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion")
+
+
+def _kernel_flags(rng: random.Random, argv: list) -> tuple[list, list]:
+    """GPU kernel flags for a draw: TE spec (60%; a third of those with the unfused attention backend) or the local
+    spec, each fusion off with probability 1/4."""
+    argv, tags = list(argv), []
+    if rng.random() < 0.6:
+        argv[argv.index("--transformer-impl") + 1] = "transformer_engine"
+        unfused = rng.random() < 1 / 3
+        if unfused:
+            argv += ["--attention-backend", "unfused"]
+        tags.append("teu" if unfused else "te")
+    off = [f for f in FUSION_OFF if rng.random() < 0.25]
+    argv += off
+    if off:
+        tags.append("nf" + "".join(f[5] for f in off))
+    return argv, tags
+
+
+def features(cfg_dict: dict, launcher: list | None = None) -> dict:
+    """The held-out features of a parsed config; its kernel families as recorded (a trace's config) or as the
+    profiler options give them (`launcher`)."""
     d = dict(cfg_dict)
     if not d.get("group_query_attention"):
         d["num_query_groups"] = d.get("num_attention_heads")
+    kern = d.get("kernels") if isinstance(d.get("kernels"), dict) else A.kernels_of(d, launcher or [])
+    d["kernels"] = tuple(sorted(kern.items()))
     return {k: d.get(k) for k in FEATURES}
 
 
@@ -221,7 +253,7 @@ def fit_configs(fitted_path: str | None) -> list[tuple[str, dict]]:
                     grid = json.load(fh)
                 for c in A.expand(grid):
                     d = parse_args(["--nproc_per_node", str(c["nproc"])] + c["argv"]).to_dict()
-                    out.append((f"{f}:{c['name']}", features(d)))
+                    out.append((f"{f}:{c['name']}", features(d, c["launcher"])))
             except Exception:  # a grid being edited by its owner: accuracy.training_configs skips it too
                 continue
     if fitted_path and os.path.isfile(fitted_path):
@@ -236,8 +268,8 @@ def fit_configs(fitted_path: str | None) -> list[tuple[str, dict]]:
 class Generator:
     """Validated, held-out, pre-filtered candidates of one seed, in order (no profiling)."""
 
-    def __init__(self, seed: int, fitted_path: str | None, megatron_check: bool = True):
-        self.seed, self.fitted_path = seed, fitted_path
+    def __init__(self, seed: int, fitted_path: str | None, megatron_check: bool = True, gpu_kernels: bool = False):
+        self.seed, self.fitted_path, self.gpu_kernels = seed, fitted_path, gpu_kernels
         self.prov, self.grids = A.training_configs(fitted_path)
         self.fit = fit_configs(fitted_path)
         self.megatron_check = megatron_check
@@ -264,7 +296,7 @@ class Generator:
         key = A._config_key(cand["argv"], cand["nproc"])
         if key in self.prov or key in self.grids:
             raise Rejected("not held out: a fit used this config")
-        mine = features(cfg.to_dict())
+        mine = features(cfg.to_dict(), cand["launcher"])
         for label, other in self.fit:
             diff = differences(mine, other)
             if len(diff) < MIN_DIFFERENCES:
@@ -286,7 +318,7 @@ class Generator:
 
     def __iter__(self):
         for i in range(MAX_DRAWS):
-            cand = draw(self.seed, i)
+            cand = draw(self.seed, i, self.gpu_kernels)
             try:
                 yield self.check(cand)
             except Rejected as why:
@@ -395,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help=f"only {QUICK} of the drawn configs (the cheapest with 1 and with 2 processes; for CI)")
     ap.add_argument("--list", action="store_true", help="print the drawn configs (no profiling) and exit")
+    ap.add_argument("--gpu-kernels", action="store_true",
+                    help="run the draws with Megatron-LM's GPU kernels on CPU stand-ins (TE spec or local, fusions "
+                         "on or off; tracer/standins.py)")
     A.common_options(ap, DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.count < 1:
@@ -402,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     fitted, modelled = A.load_sets(args)
 
-    gen = Generator(args.seed, fitted.path if fitted else None)
+    gen = Generator(args.seed, fitted.path if fitted else None, gpu_kernels=args.gpu_kernels)
     stream = iter(gen)
     drawn = gen.take(args.count, stream)
     if args.list:
@@ -419,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = first + [c for c in by_cost if c not in first]
     want = QUICK if args.quick else args.count
 
-    out = os.path.join(args.out, f"seed{args.seed}")
+    out = os.path.join(args.out, f"seed{args.seed}" + ("_gk" if args.gpu_kernels else ""))
     os.makedirs(out, exist_ok=True)
     rows, accepted, rejected, failures, t_prof = [], [], [], [], 0.0
     while todo and len(accepted) < want:
@@ -458,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"Accuracy on random held-out CPU configs (seed {args.seed}, {len(accepted)} configs; {now}; megatron-core "
           f"{versions.get('megatron_core', '?')}, torch {versions.get('torch', '?')}, python "
-          f"{platform.python_version()}, {ITERATIONS} iterations, local spec, gloo)")
+          f"{platform.python_version()}, {ITERATIONS} iterations, "
+          f"{'GPU kernels on CPU stand-ins' if args.gpu_kernels else 'local spec, CPU kernels'}, gloo)")
     print(f"fitted set: {fitted.name if fitted else 'none'}; modelled set: {modelled.name}; act % = saved + temporary "
           f"at the measured peak; xcheck = torch.profiler + c10 process-wide accounting (tracer/profile.py --crosscheck)")
     print_table(rows)

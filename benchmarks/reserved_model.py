@@ -38,6 +38,7 @@ from estimator.alloc_stream import stage_stream_events  # noqa: E402
 from estimator.args import parse_args  # noqa: E402
 from estimator.caching_allocator import parse_alloc_conf, replay  # noqa: E402
 from estimator.memory import estimate  # noqa: E402
+from fit.dataset import header_kernels  # noqa: E402
 from tracer.parse import parse_run  # noqa: E402
 from tracer.reserved import allocation_events  # noqa: E402
 
@@ -63,7 +64,9 @@ def run_config(path: str) -> tuple:
     if isinstance(argv, str):   # older headers keep the list's repr
         import ast
         argv = ast.literal_eval(argv)
-    return parse_args(["--nproc_per_node", str(hdr["world_size"])] + list(argv)), hdr
+    cfg = parse_args(["--nproc_per_node", str(hdr["world_size"])] + list(argv))
+    cfg.kernels = header_kernels(hdr)   # the kernels the CPU run had
+    return cfg, hdr
 
 
 def compare(name: str, scales, confs, fset: str = SET, packed: str = PACKED) -> list:

@@ -159,6 +159,9 @@ class TrainingConfig:
     num_microbatches: int = 1
     params_dtype: str = "fp32"  # fp32 | bf16 | fp16
     attention_kernel: str = "flash"  # unfused (local spec / TE unfused) | flash (TE flash or fused, flash-attn)
+    # The kernel family per switch a trace recorded it ran (fit.dataset, from its header); None: what a GPU runs
+    # for the flags (estimator.formulas.kernels).
+    kernels: Optional[dict] = None
     ignored_args: list = field(default_factory=list)
     conservative_args: list = field(default_factory=list)  # flags modelled as without them (errs high)
     warnings: list = field(default_factory=list)

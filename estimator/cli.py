@@ -187,13 +187,16 @@ def _merged_stage_params(cfg: TrainingConfig) -> list:
 
 
 def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool = True,
-                 device: str = "cuda") -> Report:
+                 device: str = "cuda", kernels: Optional[dict] = None) -> Report:
     """Parse, validate and estimate; raises ConfigError / FormulaError with a one-line message. reserved=False
     leaves out the caching-allocator replay (estimator.reserved; tens of milliseconds on large layouts): the
     verdict then takes fragmentation as a percent of the peak, as --search does. device="cpu": the same run on
-    the CPU (no GPU-only runtime buffers; for comparisons with CPU traces)."""
+    the CPU (no GPU-only runtime buffers; for comparisons with CPU traces). `kernels`: the kernel families a
+    traced run recorded (the accuracy benchmarks predict CPU runs); else what a GPU runs for the flags."""
     megatron_argv, own = split_own_options(argv)
     cfg = parse_args(megatron_argv)
+    if kernels is not None:
+        cfg.kernels = dict(kernels)
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
     est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks, device=device)

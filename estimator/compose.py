@@ -65,7 +65,8 @@ class ComposedCache:
         share = 1.0 if total <= 0 else self.saved_measured / total
         if self.untraced:
             share = 0.0
-        return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced}
+        return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced,
+                "standins": standin_families(self.sw)}
 
     # ---- values
     def values(self, label: str, sw: dict) -> tuple:
@@ -254,6 +255,25 @@ def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hid
         level += bd
         bwd_rows.append((op, layer, bp))
     return level, peak
+
+
+# GPU kernel families a composed set measures on CPU stand-ins (tracer/standins.py, docs/STANDINS.md): switch value
+# -> what the report calls it.
+STANDIN_FAMILIES = (
+    (("spec", "te"), "Transformer Engine layernorm-linear and norms"),
+    (("attention", "flash"), "flash / fused attention"),
+    (("fuse_act", True), "fused bias-activation"),
+    (("fuse_softmax", True), "fused masked softmax"),
+    (("fuse_rope", True), "fused RoPE"),
+)
+
+
+def standin_families(sw: dict) -> list:
+    """The config's GPU kernel families whose formulas were measured on CPU stand-ins."""
+    out = [name for (key, value), name in STANDIN_FAMILIES if sw.get(key) == value]
+    if sw.get("dropout") and sw.get("dropout_mask") == "byte":
+        out.append("1-byte dropout masks")
+    return out
 
 
 def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tuple:

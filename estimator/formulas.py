@@ -30,6 +30,8 @@ INDICATORS = {
     "x_rope": ("position", "rope"), "x_nope": ("position", "none"), "x_rms": ("normalization", "RMSNorm"),
     "x_moe": ("moe", True), "x_moecomm": ("moe_comm", True), "x_dropout": ("dropout", True), "x_gqa": ("gqa", True),
     "x_tp": ("tp", True), "x_sm32": ("softmax_fp32", True), "x_bias": ("bias", True), "x_tied": ("tied", True),
+    "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
+    "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -56,6 +58,13 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "softmax_fp32": (True, False),
     "bias": (True, False),
     "tied": (True, False),
+    # GPU kernel families (kernels()): Transformer Engine's modules, the fused bias-activation, masked-softmax and
+    # RoPE kernels, and the dropout mask's element size (1 byte on a GPU, the input's dtype in CPU eager mode).
+    "spec": ("local", "te"),
+    "fuse_act": (True, False),
+    "fuse_softmax": (True, False),
+    "fuse_rope": (True, False),
+    "dropout_mask": ("byte", "dtype"),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -555,6 +564,48 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
     return _Variables(values, cfg, pp_rank)
 
 
+# What the built-in harness ran on CPU before the GPU stand-ins (tracer/standins.py), whatever the flags: the local
+# spec, no fused kernel, eager CPU dropout. Traces without a `kernels` record in their header ran this.
+CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse_softmax": False,
+               "fuse_rope": False, "dropout_mask": "dtype"}
+
+
+def _softmax_kernel_fits(cfg: Any, s: int, b: int, heads: int) -> bool:
+    """megatron's FusedScaleMaskSoftmax.is_kernel_available for a causal mask: the fused kernel runs only for these
+    shapes (else megatron falls back to torch's softmax)."""
+    batches = b * heads
+    if not (16 < s <= 4096 and s % 4 == 0 and batches % 4 == 0):
+        return False
+    elements = 1 << max(0, (s - 1).bit_length())
+    warp = min(elements, 32)
+    per_block = (128 // warp) * (2 if elements <= 128 else 1)
+    return batches % per_block == 0
+
+
+def kernels(cfg: Any) -> Dict[str, Any]:
+    """The kernel family per switch that a GPU runs for these flags (Megatron-LM's rules), or what a trace records
+    it ran (`kernels`, set from its header by fit.dataset)."""
+    recorded = _get(cfg, "kernels", None)
+    if isinstance(recorded, dict):
+        return {**CPU_KERNELS, **recorded}
+    attention = attention_kernel(cfg)
+    fp16ish = dtype_of(cfg) != "fp32"
+    t = max(1, int(_get(cfg, "tensor_model_parallel_size", 1) or 1))
+    heads = int(_get(cfg, "num_attention_heads", 1) or 1) // t
+    s = int(_get(cfg, "seq_length", 0) or 0) // max(1, int(_get(cfg, "context_parallel_size", 1) or 1))
+    return {
+        "spec": "te" if _get(cfg, "transformer_impl", "transformer_engine") == "transformer_engine" else "local",
+        "attention": attention,
+        "fuse_act": bool(_get(cfg, "bias_swiglu_fusion", True) if _get(cfg, "swiglu", False)
+                         else _get(cfg, "bias_gelu_fusion", True)),
+        "fuse_softmax": bool(attention == "unfused" and fp16ish and _get(cfg, "masked_softmax_fusion", True)
+                             and _softmax_kernel_fits(cfg, s, int(_get(cfg, "micro_batch_size", 1) or 1), heads)),
+        "fuse_rope": bool(_get(cfg, "apply_rope_fusion", True)
+                          and _get(cfg, "position_embedding_type", "learned_absolute") in ("rope", "yarn")),
+        "dropout_mask": "byte",
+    }
+
+
 def attention_kernel(cfg: Any) -> str:
     """'flash' for TE / flash-attn, 'unfused' for the local spec (and the unfused backend)."""
     if _get(cfg, "attention_kernel", None) in SWITCHES["attention"]:
@@ -581,8 +632,9 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
     pos = _get(cfg, "position_embedding_type", "learned_absolute")
     v = env if env is not None else variables(cfg)
     dtype = dtype_of(cfg)
+    kern = kernels(cfg)
     return {
-        "attention": attention_kernel(cfg),
+        "attention": kern["attention"],
         "sp": bool(_get(cfg, "sequence_parallel", False)),
         "recompute": rg if rg in ("selective", "full") else "none",
         # --quick-geglu is a gated unit too: fc1 output 2 x ffn, the product ffn; its activations are modelled by
@@ -606,6 +658,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         # output layer's weight gradient is the embedding's, freed in its backward): composed sets split on them.
         "bias": bool(_get(cfg, "add_bias_linear", True)),
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False),
+        **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")},
     }
 
 

@@ -286,6 +286,8 @@ def _coverage_lines(cov) -> list[str]:
                    f"formulas is used): {', '.join(cov['extrapolated'])}")
     if cov["untraced"]:
         out.append(f"  not in any traced run, composed without them: {', '.join(cov['untraced'])}")
+    if cov.get("standins"):
+        out.append(f"  GPU kernels measured on CPU stand-ins (docs/STANDINS.md): {', '.join(cov['standins'])}")
     return out
 
 

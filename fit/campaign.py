@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RUN_INFO = "campaign.json"
 
@@ -33,11 +33,16 @@ class GridError(ValueError):
     """A malformed grid file or an unusable output directory."""
 
 
+# Profiler options a grid config may ask for (`launcher`): --gpu-kernels runs the GPU kernel stand-ins.
+LAUNCHER_OPTIONS = {"--gpu-kernels"}
+
+
 @dataclass
 class Config:
     name: str
     argv: list
     nproc: int
+    launcher: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------- grid
@@ -74,10 +79,14 @@ def load_grid(path: str) -> tuple[dict, list[Config]]:
         if c["name"] in seen or "/" in c["name"] or c["name"].startswith("."):
             raise GridError(f"{path}: configs[{i}]: bad or duplicate name {c['name']!r}")
         seen.add(c["name"])
-        unknown = set(c) - {"name", "set", "flags", "unset", "nproc", "note"}
+        unknown = set(c) - {"name", "set", "flags", "unset", "nproc", "note", "launcher"}
         if unknown:
             raise GridError(f"{path}: configs[{i}] ({c['name']}): unknown keys {sorted(unknown)}")
-        configs.append(Config(c["name"], *config_argv(base, c)))
+        launcher = c.get("launcher") or []
+        if not isinstance(launcher, list) or not set(launcher) <= LAUNCHER_OPTIONS:
+            raise GridError(f"{path}: configs[{i}] ({c['name']}): 'launcher' is a list of "
+                            f"{sorted(LAUNCHER_OPTIONS)}")
+        configs.append(Config(c["name"], *config_argv(base, c), launcher=list(launcher)))
     return grid, configs
 
 
@@ -130,7 +139,7 @@ def recorded_argv(run_dir: str):
 
 def profile_command(cfg: Config, out: str, iterations: int, device: str) -> list:
     cmd = [sys.executable, "-m", "tracer.profile", "--out", out, "--iterations", str(iterations),
-           *launcher_flags(cfg.argv)]
+           *launcher_flags(cfg.argv), *cfg.launcher]
     if device == "cpu":
         return cmd + ["--cpu", "--nproc", str(cfg.nproc), "--", *cfg.argv]
     return cmd + ["--", "--nproc_per_node", str(cfg.nproc), *cfg.argv]
@@ -153,7 +162,7 @@ def run_one(cfg: Config, out_dir: str, iterations: int, device: str, timeout: fl
     if rc != 0 or not is_complete(partial, cfg):
         return False, f"profiler exit {rc}, traces incomplete (log: {log}): {_last_line(log)}"
     with open(os.path.join(partial, RUN_INFO), "w", encoding="utf-8") as fh:
-        json.dump({"name": cfg.name, "argv": cfg.argv, "launcher": launcher_flags(cfg.argv), "nproc": cfg.nproc,
+        json.dump({"name": cfg.name, "argv": cfg.argv, "launcher": launcher_flags(cfg.argv) + cfg.launcher, "nproc": cfg.nproc,
                    "iterations": iterations}, fh)
     os.replace(partial, final)
     return True, ""
@@ -219,7 +228,7 @@ def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None =
             if not resume:
                 raise GridError(f"{d} exists: pass --resume to continue this campaign, or choose another --out")
             argv, launcher = recorded_argv(d)
-            if argv is not None and (argv, launcher) != (c.argv, launcher_flags(c.argv)):
+            if argv is not None and (argv, launcher) != (c.argv, launcher_flags(c.argv) + c.launcher):
                 raise GridError(f"{d} was traced with a different command line than the grid now gives; "
                                 f"move it away or use another --out")
             if is_complete(d, c):

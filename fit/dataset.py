@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from estimator.formulas import switches as config_switches
+from estimator.formulas import CPU_KERNELS, switches as config_switches
 from estimator.formulas import variables as config_variables
 
 METRICS = ("saved", "fwd_peak", "bwd_peak")
@@ -165,11 +165,19 @@ def parsed_run(path: str, accept_damaged: bool = False) -> tuple[list, dict, dic
         # Traced before the harness read --attention-softmax-in-fp32: it ran megatron-core's default, the softmax
         # in fp32 (the switch softmax_fp32 then holds whatever the dtype).
         cfg = {**cfg, "attention_softmax_in_fp32": True}
+    cfg = {**cfg, "kernels": header_kernels(hdr)}
     if cfg.get("num_experts") and hdr.get("routing") != "balanced":
         raise DatasetError(f"{path}: an MoE run traced without --balanced-routing: its expert buffers follow the "
                            f"router's data-dependent choices, which no formula of the shapes fits; profile it again "
                            f"with python -m tracer.profile --balanced-routing")
     return ranks, hdr, cfg
+
+
+def header_kernels(hdr: dict) -> dict:
+    """The kernel families a run had (tracer.standins), from its header; traced before they were recorded: the
+    CPU kernels (estimator.formulas.CPU_KERNELS)."""
+    kern = hdr.get("kernels")
+    return dict(kern) if isinstance(kern, dict) else dict(CPU_KERNELS)
 
 
 def load_run(path: str, raw_ops: bool = False, accept_damaged: bool = False) -> tuple[RunInfo, list[Sample]]:

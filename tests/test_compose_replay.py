@@ -12,6 +12,7 @@ import pytest
 from estimator import formulas as F
 from estimator.args import parse_args
 from estimator.memory import estimate
+from fit.dataset import header_kernels
 from fit.segment_data import QUANTITIES
 from fit.segment_fit import Run, fit_structure
 
@@ -42,6 +43,7 @@ def test_replaying_measured_segments_gives_the_measured_peak(name):
     with open(os.path.join(path, "rank0.json"), encoding="utf-8") as fh:
         hdr = json.load(fh)
     cfg = parse_args(["--nproc_per_node", str(hdr["world_size"])] + hdr["argv"])
+    cfg.kernels = header_kernels(hdr)                      # the kernels the CPU run had
     est = estimate(cfg, _constant_set(run), device="cpu")  # CPU runs: no GPU-only runtime buffers
     for r in range(hdr["world_size"]):
         with open(os.path.join(path, f"rank{r}.json"), encoding="utf-8") as fh:

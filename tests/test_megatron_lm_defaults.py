@@ -148,16 +148,21 @@ def test_softmax_precision_is_megatron_lm_s_not_megatron_core_s():
 def test_gpu_path_turns_off_only_kernels_megatron_core_cannot_find(monkeypatch):
     # On a GPU the harness keeps Megatron-LM's values except where megatron-core would refuse to build the model:
     # gradient-accumulation fusion without apex's extension, the persistent layer norm with the local spec's torch
-    # norm (no apex). This machine has neither, so both go off; the rest stays Megatron-LM's.
+    # norm (no apex), RoPE fusion without TE's kernel, the masked softmax without its extension (the stand-ins turn
+    # the last two back on after construction). This machine has none of them, so they go off; the rest stays
+    # Megatron-LM's.
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.tensor_parallel import layers
     monkeypatch.setattr(harness, "on_cpu", lambda: False)
     cfg, extra = _config(["--bf16"])
     kw = harness.megatron_lm_kwargs(cfg, extra)
     gpu = harness._gpu_overrides(cfg)
-    assert set(gpu) <= {"gradient_accumulation_fusion", "persist_layer_norm"}
+    assert set(gpu) <= {"gradient_accumulation_fusion", "persist_layer_norm", "apply_rope_fusion",
+                        "masked_softmax_fusion"}
     assert ("gradient_accumulation_fusion" in gpu) == (not layers._grad_accum_fusion_available)
     assert ("persist_layer_norm" in gpu) == (not gpt_layer_specs.HAVE_APEX)
+    assert ("apply_rope_fusion" in gpu) == (rope_utils.fused_apply_rotary_pos_emb is None)
     tc = harness.transformer_config(cfg, extra)
     assert _mismatches(lambda k: getattr(tc, k), {**_expected("bf16"), **gpu, "num_query_groups": 4}) == {}
     assert kw["masked_softmax_fusion"] and kw["bias_activation_fusion"] and kw["bias_dropout_fusion"]

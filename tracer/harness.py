@@ -74,6 +74,7 @@ class HarnessResult:
     coords: dict                    # {"tp","cp","ep","dp","pp"} of this rank
     iteration_seconds: list = field(default_factory=list)
     skipped_iterations: int = 0     # fp16 loss-scale skips
+    kernels: dict = field(default_factory=dict)   # kernel family per switch (estimator.formulas.kernels)
 
 
 def _dtype(cfg) -> torch.dtype:
@@ -184,6 +185,15 @@ def _gpu_overrides(cfg) -> dict:
         out["gradient_accumulation_fusion"] = False
     if not (_use_te(cfg) or gpt_layer_specs.HAVE_APEX):  # the local spec's torch norm refuses persist_layer_norm
         out["persist_layer_norm"] = False
+    # TransformerConfig refuses RoPE fusion without TE's kernel, and megatron's softmax imports its extension when
+    # it runs: built without them, the stand-ins (tracer.standins) turn them back on after construction.
+    from megatron.core.models.common.embeddings import rope_utils
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        out["apply_rope_fusion"] = False
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+    except ImportError:
+        out["masked_softmax_fusion"] = False
     return out
 
 
@@ -197,10 +207,9 @@ def transformer_config(cfg, extra: dict):
     return TransformerConfig(**kw)
 
 
-def _layer_spec(cfg, tconfig, vp_stage):
+def _layer_spec(cfg, tconfig, vp_stage, te: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    te = _use_te(cfg)
     if cfg.is_moe:
         return specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te,
                                                 normalization=cfg.normalization, vp_stage=vp_stage)
@@ -209,14 +218,15 @@ def _layer_spec(cfg, tconfig, vp_stage):
     return specs.get_gpt_layer_local_spec(None, False, cfg.qk_layernorm, normalization=cfg.normalization)
 
 
-def build_model(cfg, tconfig) -> list:
+def build_model(cfg, tconfig, te: bool | None = None) -> list:
     """One GPTModel per virtual pipeline chunk, wrapped like Megatron-LM: Float16Module, then DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     vp = cfg.virtual_pipeline_model_parallel_size
     with scopes.scope("setup:model"):
-        chunks = [_gpt_model(cfg, tconfig, i if vp else None) for i in range(vp or 1)]
+        te = _use_te(cfg) if te is None else te     # the TE spec: real, or stand-ins (tracer.standins)
+        chunks = [_gpt_model(cfg, tconfig, i if vp else None, te) for i in range(vp or 1)]
         if cfg.bf16 or cfg.fp16:
             chunks = [Float16Module(tconfig, m) for m in chunks]
     ddp_config = DistributedDataParallelConfig(
@@ -228,12 +238,12 @@ def build_model(cfg, tconfig) -> list:
                 for i, m in enumerate(chunks)]
 
 
-def _gpt_model(cfg, tconfig, stage):
+def _gpt_model(cfg, tconfig, stage, te: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
-        config=tconfig, transformer_layer_spec=_layer_spec(cfg, tconfig, stage),
+        config=tconfig, transformer_layer_spec=_layer_spec(cfg, tconfig, stage, te),
         vocab_size=cfg.padded_vocab_size, max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -345,8 +355,10 @@ def _mean_loss(losses_reduced: list):
     return float(total[0] / total[1])
 
 
-def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> HarnessResult:
-    """Set up the model and optimizer, then train `iterations` iterations with iter/fwd/bwd/... scopes."""
+def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None, gpu_kernels: bool = False) -> HarnessResult:
+    """Set up the model and optimizer, then train `iterations` iterations with iter/fwd/bwd/... scopes.
+    gpu_kernels: run the kernel families a GPU runs for these flags, stand-ins where the real kernel is missing
+    (tracer.standins); else, on CPU, the local spec without fused kernels (estimator.formulas.CPU_KERNELS)."""
     import time
 
     from megatron.core import parallel_state as ps
@@ -364,7 +376,12 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> H
         init_num_microbatches_calculator(torch.distributed.get_rank(), None, cfg.global_batch_size,
                                          cfg.micro_batch_size, ps.get_data_parallel_world_size())
     tconfig = transformer_config(cfg, extra)
-    model = build_model(cfg, tconfig)
+    from estimator.formulas import CPU_KERNELS
+    kernels = dict(CPU_KERNELS)
+    if gpu_kernels:
+        from tracer import standins
+        kernels = standins.install(tconfig, cfg, on_gpu=not on_cpu())
+    model = build_model(cfg, tconfig, kernels["spec"] == "te")
     with scopes.scope("setup:optimizer"):
         optimizer = scopes.wrap_optimizer(build_optimizer(cfg, extra, model))
     tconfig.grad_scale_func = optimizer.scale_loss
@@ -374,7 +391,7 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None) -> H
         nsf = [m.no_sync for m in model]
         tconfig.no_sync_func = nsf[0] if len(nsf) == 1 else nsf
     scopes.mark("setup_done")
-    result = HarnessResult(losses=[], coords=coords())
+    result = HarnessResult(losses=[], coords=coords(), kernels=kernels)
     if on_setup is not None:
         on_setup(result)
 

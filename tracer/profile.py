@@ -45,6 +45,7 @@ class _Help(Exception):
 class Options:
     cpu: bool = False
     balanced_routing: bool = False
+    gpu_kernels: bool = False      # CPU: GPU kernel stand-ins (tracer.standins); a GPU run always has its kernels
     crosscheck: bool = False
     nproc: int | None = None
     out: str = "memtrace_out"
@@ -77,6 +78,9 @@ def parse_options(argv: list[str]) -> Options:
             continue
         if name == "--crosscheck":
             opts.crosscheck = True
+            continue
+        if name == "--gpu-kernels":
+            opts.gpu_kernels = True
             continue
         if name in ("--nproc", "--out", "--iterations", "--target"):
             if eq:
@@ -440,9 +444,10 @@ def worker(opts: Options) -> int:
 
         if opts.is_harness:
             from tracer import harness
-            res = harness.run(cfg, opts.iterations, on_setup=on_setup)
+            res = harness.run(cfg, opts.iterations, on_setup=on_setup,
+                              gpu_kernels=opts.gpu_kernels or not cpu)
             header.update(losses=res.losses, iteration_seconds=res.iteration_seconds,
-                          skipped_iterations=res.skipped_iterations)
+                          skipped_iterations=res.skipped_iterations, kernels=res.kernels)
         else:
             _run_pretrain(opts, on_setup, lambda i: allocator.flush())
     except BaseException as e:

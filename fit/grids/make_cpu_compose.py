@@ -129,8 +129,49 @@ def configs() -> list:
     return out
 
 
+# GPU kernel families on CPU stand-ins (tracer/standins.py, profiler option --gpu-kernels). Their base has every
+# fusion off (then it runs what the configs above run, but for the 1-byte dropout mask), and each family is switched
+# on alone, then all together as Megatron-LM's defaults have them (Transformer Engine spec, flash attention, fused
+# bias-activation and RoPE; the fused masked softmax where attention is unfused and 16-bit).
+NO_FUSION = {"--no-bias-gelu-fusion": True, "--no-bias-swiglu-fusion": True, "--no-masked-softmax-fusion": True,
+             "--no-rope-fusion": True}
+TE = {"--transformer-impl": "transformer_engine"}
+KERNEL_TOGGLES = [  # (name, flags to add, flags to remove from NO_FUSION, shapes)
+    ("gk_base", {}, (), 2),
+    ("gk_te", TE, (), 3),
+    ("gk_teunf", {**TE, "--attention-backend": "unfused"}, (), 2),
+    ("gk_fact", {}, ("--no-bias-gelu-fusion", "--no-bias-swiglu-fusion"), 2),
+    ("gk_fsm", {"--bf16": True}, ("--no-masked-softmax-fusion",), 2),
+    ("gk_fsm_off", {"--bf16": True}, (), 1),
+    ("gk_frope", {"--position-embedding-type": "rope"}, ("--no-rope-fusion",), 2),
+    ("gk_dropout", {"--hidden-dropout": 0.1, "--attention-dropout": 0.1}, (), 3),
+    ("gk_te_dropout", {**TE, "--hidden-dropout": 0.1, "--attention-dropout": 0.1}, (), 2),
+    ("gk_dropout_sel", {"--hidden-dropout": 0.1, "--attention-dropout": 0.1, "--recompute-activations": True}, (), 2),
+    ("gk_te_sel", {**TE, "--recompute-activations": True}, (), 2),
+    ("gk_te_tp2sp", {**TE, "--tensor-model-parallel-size": 2, "--sequence-parallel": True}, (), 2),
+    ("gk_default", {**TE, "--hidden-dropout": 0.1, "--attention-dropout": 0.1}, tuple(NO_FUSION), 2),
+    ("gk_default_bf16", {**TE, "--bf16": True}, tuple(NO_FUSION), 2),
+]
+# Shapes where the fused softmax kernel runs in bf16 (b x heads a multiple of 8 at s <= 128) for gk_fsm.
+FSM_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4]]
+
+
+def kernel_configs() -> list:
+    out, k = [], 0
+    for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
+        for name, add, drop, n in KERNEL_TOGGLES:
+            flags = {**base, **{key: True for key in NO_FUSION if key not in drop}, **add}
+            shapes = FSM_SHAPES if name == "gk_fsm" else SHAPES
+            for j in range(n):
+                e = _entry(f"{base_name}_{name}", flags, shapes[(k + j) % len(shapes)])
+                e["launcher"] = ["--gpu-kernels"]
+                out.append(e)
+            k += n
+    return out
+
+
 def main():
-    cfgs = configs()
+    cfgs = configs() + kernel_configs()
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
     grid = {"name": "cpu_compose",

@@ -1,0 +1,199 @@
+"""GPU kernel stand-ins (tracer/standins.py): each computes what the kernel computes (values and gradients against
+torch / megatron-core references) and saves for backward exactly the tensors the GPU kernel saves (captured with
+autograd's saved-tensor hooks); the estimator's kernel rules agree with megatron-core's own checks."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tracer import standins
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def saved(fn, *args):
+    """fn(*args) and the (shape, dtype) of every tensor autograd saved for its backward."""
+    out = []
+
+    def pack(t):
+        out.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        res = fn(*args)
+    return res, out
+
+
+def grads(fn, inputs, g):
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    y = fn(*inputs)
+    y.backward(g)
+    return y.detach(), [x.grad for x in inputs]
+
+
+def reference_attention(q, k, v, scale):
+    """Causal softmax attention in sbhd, GQA groups repeated, with plain torch ops."""
+    r = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    s = qb @ kb.transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return (s.softmax(-1) @ vb).permute(2, 0, 1, 3)
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
+def test_flash_attention_values_gradients_and_saved_tensors(heads, groups):
+    torch.manual_seed(0)
+    s, b, d = 24, 2, 8
+    q, k, v = torch.randn(s, b, heads, d), torch.randn(s, b, groups, d), torch.randn(s, b, groups, d)
+    g = torch.randn(s, b, heads, d)
+    scale = d ** -0.5
+    ys, gs = grads(lambda q, k, v: standins._FlashAttention.apply(q, k, v, 0.0, scale), (q, k, v), g)
+    yr, gr = grads(lambda q, k, v: reference_attention(q, k, v, scale), (q, k, v), g)
+    torch.testing.assert_close(ys, yr, rtol=1e-4, atol=1e-5)
+    for a, r in zip(gs, gr):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    _, kept = saved(lambda: standins._FlashAttention.apply(qq, kk, vv, 0.0, scale))
+    # q, k, v unrepeated, the sbhd output, fp32 logsumexp [b, heads, s]: nothing of size s x s
+    assert kept == [((s, b, heads, d), torch.float32), ((s, b, groups, d), torch.float32),
+                    ((s, b, groups, d), torch.float32), ((s, b, heads, d), torch.float32),
+                    ((b, heads, s), torch.float32)]
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_te_norm_values_gradients_and_saved_tensors(rms):
+    torch.manual_seed(1)
+    x, w, bias = torch.randn(6, 3, 16), torch.rand(16) + 0.5, None if rms else torch.randn(16)
+    g = torch.randn(6, 3, 16)
+    ins = (x, w) if rms else (x, w, bias)
+    fn = (lambda x, w: standins._TENorm.apply(x, w, None, 1e-5, True)) if rms else \
+        (lambda x, w, b: standins._TENorm.apply(x, w, b, 1e-5, False))
+    ref = (lambda x, w: torch.nn.functional.rms_norm(x, (16,), w, 1e-5)) if rms else \
+        (lambda x, w, b: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-5))
+    ys, gs = grads(fn, ins, g)
+    yr, gr = grads(ref, ins, g)
+    torch.testing.assert_close(ys, yr, rtol=1e-5, atol=1e-5)
+    for a, r in zip(gs, gr):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    wb = w.to(torch.bfloat16).requires_grad_(True)
+    _, kept = saved(lambda: standins._TENorm.apply(xb, wb, None, 1e-5, rms))
+    # the input and weight in their dtype, one fp32 statistic per token (mu and rsigma; rsigma twice for RMSNorm,
+    # one tensor saved in both slots)
+    assert kept == [((6, 3, 16), torch.bfloat16), ((16,), torch.bfloat16), ((18,), torch.float32),
+                    ((18,), torch.float32)]
+
+
+def test_fused_rope_matches_megatron_unfused_and_keeps_only_the_frequencies():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    torch.manual_seed(2)
+    t, half = torch.randn(10, 2, 4, 8), torch.randn(10, 1, 1, 4)
+    freqs = torch.cat((half, half), dim=-1)      # as megatron builds them: one angle per rotated pair
+    g = torch.randn(10, 2, 4, 8)
+    ys, (gs,) = grads(lambda t: standins._FusedRoPE.apply(t, freqs, False), (t,), g)
+    yr, (gr,) = grads(lambda t: _apply_rotary_pos_emb_bshd(t, freqs), (t,), g)
+    torch.testing.assert_close(ys, yr)
+    torch.testing.assert_close(gs, gr, rtol=1e-5, atol=1e-6)
+    tt = t.clone().requires_grad_(True)
+    _, kept = saved(lambda: standins._FusedRoPE.apply(tt, freqs, False))
+    assert kept == [((10, 1, 1, 8), torch.float32)]
+
+
+def test_fused_softmax_keeps_probabilities_in_the_input_dtype():
+    torch.manual_seed(3)
+    x = torch.randn(2, 4, 16, 16)
+    g = torch.randn(2, 4, 16, 16)
+    scale = 0.5
+    causal = torch.ones(16, 16, dtype=torch.bool).triu(1)
+    ys, (gs,) = grads(lambda x: standins._FusedSoftmax.apply(x.clone(), None, scale, True), (x,), g)
+    yr, (gr,) = grads(lambda x: (x * scale).masked_fill(causal, -10000.0).softmax(-1), (x,), g)
+    torch.testing.assert_close(ys, yr)
+    torch.testing.assert_close(gs, gr, rtol=1e-5, atol=1e-6)
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    _, kept = saved(lambda: standins._FusedSoftmax.apply(xb * 1, None, scale, True))
+    assert kept == [((2, 4, 16, 16), torch.bfloat16), ((1,), torch.float32)]
+
+
+def test_byte_mask_dropout_saves_a_bool_mask():
+    torch.manual_seed(4)
+    x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    drop = standins._byte_mask_dropout(torch.nn.functional.dropout)
+    y, kept = saved(lambda: drop(x, 0.25, True))
+    assert kept == [((64, 64), torch.bool)]
+    y.backward(torch.ones_like(y))
+    kept_mask = y != 0
+    torch.testing.assert_close(x.grad, kept_mask.to(x.dtype) / 0.75)
+
+
+def test_softmax_kernel_rule_matches_megatron():
+    """estimator.formulas.kernels decides where megatron-core runs the fused softmax kernel; megatron's own
+    is_kernel_available (with the kernel's block size from tracer.standins) must agree on every shape."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from estimator.formulas import _softmax_kernel_fits
+
+    sm = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.causal,
+                               scaled_masked_softmax_fusion=True, mask_func=None, softmax_in_fp32=True, scale=None)
+    sm.get_batch_per_block = lambda sq, sk, b, np_: standins.batch_per_block(sq, sk, b, np_)
+    checked = 0
+    for s in (8, 16, 20, 32, 48, 64, 96, 128, 256, 1024, 4096, 8192):
+        for b in (1, 2, 3, 4):
+            for heads in (1, 2, 4, 6, 8, 32):
+                assert sm.is_kernel_available(None, b, heads, s, s) == _softmax_kernel_fits(None, s, b, heads), \
+                    (s, b, heads)
+                checked += 1
+    assert checked == 12 * 4 * 6
+
+
+def test_kernels_follow_megatron_lm_flags():
+    from estimator.args import parse_args
+    from estimator.formulas import kernels
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--vocab-size", "256"]
+    k = kernels(parse_args(base))
+    assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
+                 "dropout_mask": "byte"}
+    k = kernels(parse_args(base + ["--transformer-impl", "local", "--bf16", "--position-embedding-type", "rope",
+                                   "--disable-bias-linear"]))
+    # no bias: no fused bias-gelu (Megatron-LM turns it off); unfused 16-bit attention: the fused softmax
+    assert (k["spec"], k["attention"], k["fuse_act"], k["fuse_softmax"], k["fuse_rope"]) == \
+        ("local", "unfused", False, True, True)
+    k = kernels(parse_args(base + ["--transformer-impl", "local", "--no-masked-softmax-fusion", "--bf16"]))
+    assert k["fuse_softmax"] is False
+
+
+@pytest.mark.megatron
+def test_traced_te_flash_layer_keeps_no_s_squared_term(tmp_path):
+    """A real megatron-core run with Megatron-LM's default kernels (TE spec, flash attention, fused bias-gelu) on the
+    stand-ins, traced by the CPU allocator hook: per layer and microbatch the saved bytes are e*16sbh (norm
+    outputs, QKV, attention output, fc1 and activation outputs, residuals) plus the fp32 statistics of two fused
+    norms (16sb) and the flash logsumexp (4abs), at two sequence lengths: no a*s*s*b term."""
+    from tracer.parse import parse_run
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    b, h, a, e = 2, 64, 4, 4
+    for s in (32, 64):
+        out = tmp_path / f"s{s}"
+        cmd = [sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--gpu-kernels", "--nproc", "1",
+               "--out", str(out), "--iterations", "2", "--", "--num-layers", "2", "--hidden-size", str(h),
+               "--num-attention-heads", str(a), "--seq-length", str(s), "--max-position-embeddings", str(s),
+               "--micro-batch-size", str(b), "--global-batch-size", str(b), "--vocab-size", "128",
+               "--hidden-dropout", "0", "--attention-dropout", "0"]
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        (pr,) = parse_run(str(out))
+        assert pr.header["kernels"]["spec"] == "te" and pr.header["kernels"]["attention"] == "flash"
+        last = max(row["iteration"] for row in pr.op_stats)
+        per_layer = {}
+        for row in pr.op_stats:
+            if row["iteration"] == last and row["layer"] is not None:
+                per_layer[row["layer"]] = per_layer.get(row["layer"], 0) + row["saved_bytes"]
+        assert sorted(per_layer) == [0, 1]
+        for layer, got in per_layer.items():
+            assert got == e * 16 * s * b * h + 16 * s * b + 4 * a * s * b, (s, layer, got)

@@ -1,0 +1,394 @@
+"""Stand-ins for the GPU kernel families Megatron-LM runs by default, so a CPU run keeps what the GPU run keeps.
+
+Each stand-in is an autograd function (or a module built from megatron-core's own parts) that saves for backward
+exactly the tensors the GPU kernel saves -- same shapes, same dtypes -- while computing the same values with
+ordinary torch ops. What differs is only what a kernel allocates and frees inside itself (a GPU kernel keeps its
+intermediates in registers; a stand-in may allocate small transients). docs/STANDINS.md is the table: per family,
+the kernel it mirrors, the tensors it keeps and what remains different.
+
+`install(tconfig, cfg)` patches megatron-core for one process, choosing per family by the same rules as
+`estimator.formulas.kernels` (which the estimator applies to the command line), and returns the families it
+installed. On a GPU only families whose real kernel is missing are replaced (Transformer Engine absent; the
+masked-softmax and RoPE extensions absent); there the flash stand-in runs torch's real flash-attention kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from estimator.formulas import kernels as kernel_switches
+
+
+# ----------------------------------------------------------------------------------------------- dropout
+class _ByteMaskDropout(torch.autograd.Function):
+    """CUDA's native_dropout: the mask it saves is bool (1 byte per element); CPU eager dropout keeps a mask in the
+    input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+        scale = 1.0 / (1.0 - p)
+        out = torch.mul(x, mask)
+        out.mul_(scale)
+        ctx.save_for_backward(mask)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        gi = torch.mul(g, mask)
+        gi.mul_(ctx.scale)
+        return gi, None
+
+
+def _byte_mask_dropout(original):
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0 or not torch.is_grad_enabled() or not input.requires_grad:
+            return original(input, p, training, inplace)
+        return _ByteMaskDropout.apply(input, p)
+    return dropout
+
+
+# ------------------------------------------------------------------------------------- masked softmax
+def batch_per_block(sq: int, sk: int, b: int, np_: int) -> int:
+    """megatron's scaled_masked_softmax_cuda.get_batch_per_block (csrc scaled_masked_softmax.h): warps of 32
+    threads, 128 threads per block, two rows per warp while a row has at most 128 elements."""
+    elements = 1 << max(0, math.ceil(math.log2(sk))) if sk > 0 else 1
+    warp = min(elements, 32)
+    batches_per_warp = 2 if elements <= 128 else 1
+    return (128 // warp) * batches_per_warp
+
+
+_CAUSAL = {}
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    """The upper triangle, made once per shape (the upper-triangular kernel needs no mask tensor at all)."""
+    key = (sq, sk, str(device))
+    if key not in _CAUSAL:
+        _CAUSAL[key] = torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)
+    return _CAUSAL[key]
+
+
+class _FusedSoftmax(torch.autograd.Function):
+    """ScaledUpperTriangMaskedSoftmax / ScaledMaskedSoftmax / ScaledSoftmax: the kernel writes the probabilities in
+    the input's dtype (fp32 only in registers) and saves them and a one-element scale; the scores are not kept."""
+
+    @staticmethod
+    def forward(ctx, scores, mask, scale, causal):
+        sq, sk = scores.shape[-2], scores.shape[-1]
+        if causal:
+            mask = _causal_mask(sq, sk, scores.device)
+        probs = torch.empty_like(scores)
+        # one [sq, sk] slice at a time: the kernel's intermediates stay in registers, so only a slice-sized
+        # transient here (never a whole scaled or masked copy of the scores)
+        flat_in, flat_out = scores.detach().view(-1, sq, sk), probs.view(-1, sq, sk)
+        flat_mask = None if mask is None else mask.expand(*scores.shape[:-2], sq, sk).reshape(-1, sq, sk)
+        for i in range(flat_in.shape[0]):
+            x = flat_in[i] * scale
+            m = mask if causal else None if flat_mask is None else flat_mask[i]
+            if m is not None:
+                x.masked_fill_(m, -10000.0)
+            flat_out[i].copy_(torch.softmax(x, dim=-1))
+        scale_t = torch.tensor([scale])
+        ctx.save_for_backward(probs, scale_t)
+        return probs
+
+    @staticmethod
+    def backward(ctx, g):
+        probs, scale_t = ctx.saved_tensors
+        gi = torch._softmax_backward_data(g, probs, -1, probs.dtype)
+        gi.mul_(float(scale_t[0]))
+        return gi, None, None, None
+
+
+def _install_softmax():
+    from megatron.core.fusions import fused_softmax as fs
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def get_batch_per_block(self, sq, sk, b, np_):
+        return batch_per_block(sq, sk, b, np_)
+
+    def forward_fused_softmax(self, input, mask):
+        b, np_, sq, sk = input.size()
+        scale = self.scale if self.scale is not None else 1.0
+        causal = self.attn_mask_type == AttnMaskType.causal
+        return _FusedSoftmax.apply(input, None if causal else mask, float(scale), causal)
+
+    fs.FusedScaleMaskSoftmax.get_batch_per_block = get_batch_per_block
+    fs.FusedScaleMaskSoftmax.forward_fused_softmax = forward_fused_softmax
+
+
+# ---------------------------------------------------------------------------------------- bias + activation
+def _install_bias_activation():
+    """megatron's GeLUFunction / SwiGLUFunction / BiasSwiGLUFunction are the real autograd functions (they choose
+    what is saved: the pre-activation input, and the bias); only their torch.compile'd arithmetic runs eagerly."""
+    from megatron.core.fusions import fused_bias_gelu as g, fused_bias_swiglu as s
+
+    for mod, names in ((g, ("bias_gelu", "bias_gelu_back")),
+                       (s, ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
+                            "weighted_swiglu_back"))):
+        for name in names:
+            fn = getattr(mod, name, None)
+            orig = getattr(fn, "_torchdynamo_orig_callable", None)
+            if orig is not None:
+                setattr(mod, name, orig)
+
+
+# ----------------------------------------------------------------------------------------------------- RoPE
+class _FusedRoPE(torch.autograd.Function):
+    """Transformer Engine's FusedRoPEFunc: keeps only the frequencies (shared by every layer), not the rotated input
+    or its halves; backward rotates the gradient back."""
+
+    @staticmethod
+    def forward(ctx, t, freqs, interleaved):
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+        ctx.save_for_backward(freqs)
+        ctx.interleaved = interleaved
+        return _apply_rotary_pos_emb_bshd(t.detach(), freqs, rotary_interleaved=interleaved)
+
+    @staticmethod
+    def backward(ctx, g):
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+        (freqs,) = ctx.saved_tensors
+        # a rotation's transpose is the rotation by the opposite angle
+        return _apply_rotary_pos_emb_bshd(g, -freqs, rotary_interleaved=ctx.interleaved), None, None
+
+
+def _install_rope():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def fused_apply_rotary_pos_emb(t, freqs, interleaved=False, **_):
+        return _FusedRoPE.apply(t, freqs, interleaved)
+
+    rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+
+
+# ------------------------------------------------------------------------------- Transformer Engine modules
+class _TENorm(torch.autograd.Function):
+    """Transformer Engine's layernorm / rmsnorm forward: output in the input's dtype, statistics in fp32, one value
+    per token (mu and rsigma, rsigma only for RMSNorm); saves the input, the weight and the statistics."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        h = x.shape[-1]
+        rows = x.reshape(-1, h)
+        sq = torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32).square_().div_(h)
+        if rms:
+            mu = None
+            rsigma = sq.add_(eps).rsqrt_()
+        else:
+            mu = torch.mean(rows, dim=-1, dtype=torch.float32)
+            rsigma = sq.sub_(mu * mu).add_(eps).rsqrt_()
+        out = torch.empty_like(rows)
+        if mu is not None:
+            torch.sub(rows, mu[:, None], out=out)
+        else:
+            out.copy_(rows)
+        out.mul_(rsigma[:, None]).mul_(weight)
+        if bias is not None:
+            out.add_(bias)
+        ctx.rms, ctx.eps = rms, eps
+        ctx.save_for_backward(x, weight, mu if mu is not None else rsigma, rsigma)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        # the statistics are kept as TE keeps them; the gradient is recomputed from the input here (a GPU
+        # kernel reads them instead)
+        x, weight, _mu, _rsigma = ctx.saved_tensors
+        h = x.shape[-1]
+        with torch.enable_grad():
+            xr = x.detach().reshape(-1, h).float().requires_grad_(True)
+            w = weight.detach().float().requires_grad_(True)
+            if ctx.rms:
+                y = torch.nn.functional.rms_norm(xr, (h,), w, ctx.eps)
+            else:
+                y = torch.nn.functional.layer_norm(xr, (h,), w, None, ctx.eps)
+            gx, gw = torch.autograd.grad(y, (xr, w), g.reshape(-1, h).float())
+        gb = g.reshape(-1, h).float().sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return gx.to(x.dtype).view(x.shape), gw.to(weight.dtype), gb, None, None
+
+
+def _te_norm(x, weight, bias, eps, rms):
+    return _TENorm.apply(x, weight, bias, eps, rms)
+
+
+def _modules():
+    """The stand-in module classes, built on megatron-core's own (imported late: megatron is optional here)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.utils import make_viewless_tensor
+
+    class StandinNorm(MegatronModule):
+        """TENorm: Transformer Engine's LayerNorm / RMSNorm module (final layernorm, qk-norm, MoE pre-MLP norm)."""
+
+        def __init__(self, config, hidden_size, eps=1e-5, **_):
+            super().__init__(config=config)
+            self.rms = config.normalization == "RMSNorm"
+            self.eps = eps
+            dt = config.params_dtype
+            self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dt))
+            self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dt))
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    setattr(p, "sequence_parallel", config.sequence_parallel)
+
+        def forward(self, x):
+            return _te_norm(x, self.weight, self.bias, self.eps, self.rms)
+
+    class StandinLayerNormColumnParallelLinear(ColumnParallelLinear):
+        """TELayerNormColumnParallelLinear: the norm fused into the column-parallel GEMM. Saved like TE's
+        _LayerNormLinear: the norm's input, the normalized output (before the sequence-parallel all-gather, gathered
+        again in backward) and fp32 statistics per token; megatron's linear saves exactly its (local) input."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
+                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, **kw):
+            super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
+                             gather_output=gather_output, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                             skip_weight_param_allocation=skip_weight_param_allocation, **kw)
+            self.rms = config.normalization == "RMSNorm"
+            self.eps = config.layernorm_epsilon
+            dt = config.params_dtype
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=dt))
+            self.layer_norm_bias = None if self.rms else torch.nn.Parameter(torch.zeros(input_size, dtype=dt))
+            for p in (self.layer_norm_weight, self.layer_norm_bias):
+                if p is not None:
+                    setattr(p, "sequence_parallel", config.sequence_parallel)
+
+        def forward(self, x, *args, **kwargs):
+            ln_out = _te_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.rms)
+            return super().forward(ln_out, *args, **kwargs)
+
+    class StandinFlashAttention(DotProductAttention):
+        """TEDotProductAttention with the flash / cuDNN fused backend (Megatron-LM's default): keeps q, k, v (as
+        given, sbhd, no copies; GQA without repeating k and v), the output and fp32 softmax statistics per query
+        row and head; no [s, s] tensor. Computed by torch's flash-attention kernel (the real one on a GPU)."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            assert packed_seq_params is None and attention_bias is None, "stand-in: no packed sequences / bias"
+            p = self.attention_dropout.p if self.training else 0.0
+            out = _FlashAttention.apply(query, key, value, p, self.softmax_scale)
+            out = out.view(out.shape[0], out.shape[1], -1)
+            return make_viewless_tensor(out, requires_grad=out.requires_grad, keep_graph=True)
+
+    return StandinNorm, StandinLayerNormColumnParallelLinear, StandinFlashAttention
+
+
+class _FlashAttention(torch.autograd.Function):
+    """flash-attn's FlashAttnFunc / TE's FusedAttnFunc, sbhd layout: saves q, k, v, the output and the logsumexp
+    (fp32, [b, heads, sq]); the output is written in sbhd ([sq, b, heads, d]) as TE returns it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, p, scale):
+        qb, kb, vb = (t.detach().permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d] views
+        gqa = qb.shape[1] != kb.shape[1]
+        if q.is_cuda:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qb, _rep(kb, qb) if gqa else kb,
+                                                                     _rep(vb, qb) if gqa else vb, p, True,
+                                                                     scale=scale)
+            o, lse, ctx.rng = res[0], res[1], (res[6], res[7])
+        else:
+            # torch's CPU flash kernel has no dropout; in-kernel dropout keeps nothing but an RNG state on a GPU,
+            # so the memory is the same without it (only the values differ)
+            p = 0.0
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb, _rep(kb, qb) if gqa else kb, _rep(vb, qb) if gqa else vb, p, True, scale=scale)
+        out = torch.empty_like(q)                          # [sq, b, heads, d]
+        out.copy_(o.permute(2, 0, 1, 3))
+        del o
+        ctx.p, ctx.scale = p, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, lse = ctx.saved_tensors
+        qb, kb, vb, ob, gb = (t.permute(1, 2, 0, 3) for t in (q, k, v, out, g))
+        gqa = qb.shape[1] != kb.shape[1]
+        kr, vr = (_rep(kb, qb), _rep(vb, qb)) if gqa else (kb, vb)
+        if q.is_cuda:
+            seed, offset = ctx.rng
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                gb, qb, kr, vr, ob, lse, None, None, qb.shape[2], kb.shape[2], ctx.p, True, seed, offset,
+                scale=ctx.scale)
+        else:
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                gb, qb, kr, vr, ob, lse, ctx.p, True, scale=ctx.scale)
+        if gqa:   # the repeated heads' gradients sum back into their group
+            r = qb.shape[1] // kb.shape[1]
+            gk = gk.unflatten(1, (kb.shape[1], r)).sum(2)
+            gv = gv.unflatten(1, (kb.shape[1], r)).sum(2)
+        return (gq.permute(2, 0, 1, 3), gk.permute(2, 0, 1, 3), gv.permute(2, 0, 1, 3), None, None)
+
+
+def _rep(kv, q):
+    """Keys / values repeated to the query heads for the kernel call only (transient): the GPU kernels read groups
+    natively and keep k and v unrepeated."""
+    return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+
+
+def _install_te_spec():
+    """Transformer Engine's spec provider answers with the stand-ins (megatron-core builds the TE layer spec
+    through it: norms fused into linear_qkv and linear_fc1, TE core attention, TENorm for the final norm)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    norm, ln_linear, flash = _modules()
+
+    class StandinTESpecProvider(LocalSpecProvider):
+        attention = flash
+
+        def fuse_layernorm_and_linear(self):
+            return True
+
+        def column_parallel_layer_norm_linear(self):
+            return ln_linear
+
+        def layer_norm(self, rms_norm=False, for_qk=False):
+            return norm
+
+        def core_attention(self):
+            return self.attention
+
+    specs.TESpecProvider = StandinTESpecProvider
+    specs.TENorm = norm
+    return StandinTESpecProvider, DotProductAttention
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install(tconfig, cfg, on_gpu: bool = False) -> dict:
+    """Patch megatron-core so this process runs what a GPU runs for `cfg`'s flags (estimator.formulas.kernels);
+    returns the kernel switches in effect (recorded in the trace header). `tconfig` gets the fusion flags the
+    kernels serve. On a GPU, a family is replaced only where its real kernel is missing."""
+    k = kernel_switches(cfg)
+    if k["dropout_mask"] == "byte" and not on_gpu:
+        torch.nn.functional.dropout = _byte_mask_dropout(torch.nn.functional.dropout)
+    if k["fuse_softmax"] and not (on_gpu and _importable("scaled_upper_triang_masked_softmax_cuda")):
+        _install_softmax()
+    tconfig.masked_softmax_fusion = k["fuse_softmax"]
+    if k["fuse_act"] and not on_gpu:          # on a GPU megatron's torch.compile'd arithmetic runs as it is
+        _install_bias_activation()
+    tconfig.bias_activation_fusion = k["fuse_act"]
+    if k["fuse_rope"]:
+        from megatron.core.models.common.embeddings import rope_utils
+        if not (on_gpu and rope_utils.fused_apply_rotary_pos_emb is not None):
+            _install_rope()
+    tconfig.apply_rope_fusion = k["fuse_rope"]
+    if k["spec"] == "te" and not (on_gpu and _importable("transformer_engine")):
+        provider, unfused = _install_te_spec()
+        if k["attention"] != "flash":
+            provider.attention = unfused     # TE's unfused backend: megatron's unfused attention, fused softmax
+    return k
