@@ -105,7 +105,7 @@ def test_a_combination_never_traced_is_predicted_from_real_runs_of_its_parts():
         sw = switches(run.config)
         env = variables(run.config)
         cache = ComposedCache.__new__(ComposedCache)
-        cache.fset, cache.env, cache._by_label = fset, env, {label: list(fset.segments)}
+        cache.fset, cache.env, cache._by_label, cache._parts = fset, env, {label: list(fset.segments)}, {}
         got = cache._evaluate(label, sw)
         for i, q in enumerate(QUANTITIES):
             assert got[i] == run.samples[label].values.get(q, 0), (run.path, q)
