@@ -98,6 +98,7 @@ class ComposedCache:
                     terms[i] = match.quantities[i]
                 else:   # extrapolated: errs high, never a free that no run with these switches was seen to make
                     vals.append(max(value, 0.0))
+                    terms[i] = match.quantities[i] if value >= 0 else None
                     measured = False
                 continue
             measured = False
