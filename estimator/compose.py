@@ -80,8 +80,7 @@ class ComposedCache:
     def _evaluate(self, label: str, sw: dict) -> tuple:
         """Each quantity from the label's most specific entry that gives it and matches sw, measured where the
         entry's runs had the config's switch values; else extrapolated: the largest value among the determined
-        entries nearest the config's switches (fewest `when` values differing from it). An extrapolated value is
-        never negative: a free no run was seen to make would lower the estimate."""
+        entries nearest the config's switches (fewest `when` values differing from it)."""
         vals, measured = [], True
         terms: list = [None] * 4
         env = ChainMap(F.indicators(sw), self.env)     # a layer's own switches (dense / MoE, recompute)
@@ -92,14 +91,9 @@ class ComposedCache:
                 continue
             match = next((sf for sf in have if sf.matches(sw)), None)
             if match is not None and match.covers(sw) and match.quantities[i] is not None:
-                value = _sum(match.quantities[i], env)
-                if match.measured_for(i, sw):
-                    vals.append(value)
-                    terms[i] = match.quantities[i]
-                else:   # extrapolated: errs high, never a free that no run with these switches was seen to make
-                    vals.append(max(value, 0.0))
-                    terms[i] = match.quantities[i] if value >= 0 else None
-                    measured = False
+                vals.append(_sum(match.quantities[i], env))
+                terms[i] = match.quantities[i]
+                measured = measured and match.measured_for(i, sw)
                 continue
             measured = False
             have = [sf for sf in have if sf.quantities[i] is not None]
@@ -108,7 +102,7 @@ class ComposedCache:
                 continue
             dist = [sum(sw.get(k) != v for k, v in sf.when) for sf in have]
             near = min(dist)
-            vals.append(max(0.0, *(_sum(sf.quantities[i], env) for sf, d in zip(have, dist) if d == near)))
+            vals.append(max(_sum(sf.quantities[i], env) for sf, d in zip(have, dist) if d == near))
         out = (*vals, measured)
         self._parts[id(out)] = (out, terms, env)   # evaluated by parts(), which only the reserved model asks
         return out

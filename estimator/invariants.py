@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import math
 
-from estimator import compose, fp8
+from estimator import fp8
 from estimator.formulas import FormulaError
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "gpu_runtime", "other")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
-# Per-op rows that may be negative but must still be finite: the estimator's own signed corrections of the formulas
-# (fp8 keeps some inputs in 1 byte), and a composed set's root, the forward step's own code between the model's
-# ops, which frees what they handed it (measured: after a bf16 loss it frees more than it allocates).
-SIGNED_OPS = frozenset([fp8.SAVED_INPUTS_OP, compose.ROOT])
+# Per-op rows that are the estimator's own signed corrections of the formulas, not formulas of the set: their
+# `saved` may be negative (fp8 keeps some inputs in 1 byte); they must still be finite.
+SIGNED_OPS = frozenset([fp8.SAVED_INPUTS_OP])
 
 
 class EstimateError(ValueError):
@@ -70,8 +69,8 @@ def check_estimate(est, fset) -> None:
         if not (_all_good([*counts, *cats, r.peak_bytes]) and all(x.__class__ is int for x in counts)):
             _stage_failure(r, fset)
         rows = r.per_op
-        values = [row.get(q, 0.0) for op, row in rows.items() if op not in SIGNED_OPS for q in QUANTITIES]
-        signed = [rows[op].get(q, 0.0) for op in SIGNED_OPS if op in rows for q in QUANTITIES]
+        values = [row.get(q, 0.0) for op, row in rows.items() for q in QUANTITIES if not _signed(fset, op, q)]
+        signed = [row.get(q, 0.0) for op, row in rows.items() for q in QUANTITIES if _signed(fset, op, q)]
         if not (_all_good(values) and _finite(sum(signed))):
             _formula_row_failure(r, fset)
         total = sum(cats)
@@ -112,12 +111,19 @@ def _stage_failure(r, fset) -> None:
     raise _blame(fset, f"the peak on {where} is {r.peak_bytes}")
 
 
+def _signed(fset, op: str, q: str) -> bool:
+    """May this per-op quantity be negative? The signed corrections (SIGNED_OPS), and a composed set's `saved`
+    rows: each is the net bytes of an op's own code, which frees what its children handed it (the forward step
+    after a bf16 loss, a layer after its attention), measured so."""
+    return op in SIGNED_OPS or (q == "saved" and bool(getattr(fset, "composed", False)))
+
+
 def _formula_row_failure(r, fset) -> None:
     """Raise FormulaError naming the first op whose bytes are negative, NaN or infinite, if any."""
     for op, row in r.per_op.items():
         for q in QUANTITIES:
             x = row.get(q, 0.0)
-            if (_bad(x) and op not in SIGNED_OPS) or not _finite(x):
+            if (_bad(x) and not _signed(fset, op, q)) or not _finite(x):
                 why = "a negative formula" if _finite(x) else "a coefficient or exponent too large"
                 raise FormulaError(f"formula set {_set_name(fset)}: op {op!r} gives {q} = {x:g} bytes on pipeline "
                                    f"stage {r.pp_rank} for this config ({why})")

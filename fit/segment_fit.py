@@ -27,8 +27,8 @@ from .solve import FitRefused, bound_fit, fit_group
 from .switch_terms import measured_on, merge
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
-ORDER = SWITCH_ORDER + ("bias", "tied", "softmax_fp32")
-STRUCTURE_SWITCHES = ("moe", "position", "normalization", "activation", "gqa", "tp", "sp", "recompute")
+ORDER = SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")
+STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp", "recompute")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
