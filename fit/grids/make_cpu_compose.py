@@ -156,6 +156,39 @@ KERNEL_TOGGLES = [  # (name, flags to add, flags to remove from NO_FUSION, shape
 FSM_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4]]
 
 
+# Selective recompute keeps what the checkpointed attention frees in forward, which depends on dropout, GQA and the
+# position type together: the triples the pairs above leave out, on each base.
+TRIPLES = [("selective", "dropout", "rope"), ("selective", "dropout", "gqa"), ("selective", "dropout", "learned"),
+           ("selective", "dropout", "mha")]
+
+
+def triple_configs(start: int) -> list:
+    toggles = {name: (add, drop) for name, add, drop in TOGGLES}
+    out, k = [], start
+    for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
+        for names in TRIPLES:
+            flags, applies = dict(base), True
+            for name in names:
+                add, drop = toggles[name]
+                if (drop and not any(key in base for key in drop)) or (add and all(base.get(key) == val
+                                                                                   for key, val in add.items())):
+                    applies = applies and name in ("selective", "dropout")
+                for key in drop:
+                    flags.pop(key, None)
+                flags.update(add)
+            if not applies:
+                continue
+            for j in range(3):
+                out.append(_entry(f"{base_name}_{'_'.join(names)}", flags, SHAPES[(k + j) % len(SHAPES)]))
+                # and with the GPU's 1-byte dropout masks (stand-ins, nothing fused)
+                gk = _entry(f"{base_name}_gk_{'_'.join(names)}", {**flags, **{f: True for f in NO_FUSION}},
+                            SHAPES[(k + j + 1) % len(SHAPES)])
+                gk["launcher"] = ["--gpu-kernels"]
+                out.append(gk)
+            k += 3
+    return out
+
+
 def kernel_configs() -> list:
     out, k = [], 0
     for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
@@ -171,7 +204,7 @@ def kernel_configs() -> list:
 
 
 def main():
-    cfgs = configs() + kernel_configs()
+    cfgs = configs() + kernel_configs() + triple_configs(1)
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
     grid = {"name": "cpu_compose",
