@@ -119,10 +119,16 @@ class ComposedCache:
         return hit[1]
 
     def children(self, op: str, sw: dict) -> tuple:
-        for name, when, kids in _structure(self.fset, op):
+        """op's children under switches sw; where no traced run had sw's values of the switches that change them,
+        those of the nearest entry (fewest differing values), reported as extrapolated."""
+        entries = _structure(self.fset, op)
+        for name, when, kids in entries:
             if all(sw.get(k) == v for k, v in when):
                 return kids
-        return ()
+        if not entries:
+            return ()
+        self.extrapolated.add(f"{op} (children)")
+        return min(entries, key=lambda e: sum(sw.get(k) != v for k, v in e[1]))[2]
 
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:

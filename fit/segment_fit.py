@@ -14,6 +14,7 @@ the values the entry's runs had, and `measured` the parts each quantity was meas
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections import Counter
 
@@ -351,18 +352,27 @@ def _coef(c):
     return int(c) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
 
 
+def _structure_keys(have: list, op: str) -> tuple:
+    """The fewest switches (singles, then pairs, then triples, in STRUCTURE_SWITCHES order) whose values fix op's
+    children in every run; else every switch that varies. Fewest, so that an entry covers every combination of the
+    switches that do not change the op (a layer's children depend on the layer spec, not on MoE or recompute)."""
+    def uniform(keys):
+        return all(len({tuple(r.children[op]) for r in rs}) == 1 for rs in _parts(have, keys).values())
+    varying = [k for k in STRUCTURE_SWITCHES if len({r.switches.get(k) for r in have}) > 1]
+    for n in range(4):
+        for keys in itertools.combinations(varying, n):
+            if uniform(keys):
+                return keys
+    return tuple(varying)
+
+
 def fit_structure(runs: list) -> list[dict]:
     """Per op, its children in forward order, split by the switches that change them."""
     ops = sorted({op for r in runs for op in r.children})
     out = []
     for op in ops:
         have = [r for r in runs if op in r.children]
-        keys: tuple = ()
-        for k in STRUCTURE_SWITCHES:
-            if all(len({tuple(r.children[op]) for r in rs}) == 1 for rs in _parts(have, keys).values()):
-                break
-            if len({r.switches.get(k) for r in have}) > 1:
-                keys += (k,)
+        keys = _structure_keys(have, op)
         for part, rs in _parts(have, keys).items():
             variants = Counter(tuple(r.children[op]) for r in rs)
             children, n = variants.most_common(1)[0]
