@@ -9,10 +9,12 @@ per in-flight microbatch), `fwd_extra` (transient above the level at chunk entry
 """
 from __future__ import annotations
 
+from collections import ChainMap
+
 from estimator._record import dataclass, field
 
 from . import formulas as F
-from . import fp8, fused_softmax, moe_router, offload
+from . import fp8, fused_softmax, moe_router, moe_tokens, offload
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -94,6 +96,7 @@ class LayerCache:
         self.units: Dict[Any, Tuple[tuple, float]] = {}  # chunk_activations' layer / checkpoint-group units
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])
+        self.routing = moe_tokens.routing(cfg)
 
     def model_unit(self, ops) -> tuple:
         """The unit of non-layer ops (embedding, or final norm + output layer + loss) run in order."""
@@ -124,6 +127,8 @@ class LayerCache:
                 mlp = MOE_MLP_OPS[:-1]   # no shared-expert module: no row (its formulas are not all zero then)
             ops = ATTN_OPS + mlp + (LAYER_OP,)
             rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
+            if moe and self.routing.scales:
+                rows = [self._routed_row(r, sw) if moe_tokens.routed(r[0]) else r for r in rows]
             # Modelled features that change a layer's saved bytes beyond the formula set's switches.
             extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
                      moe_router.layer_row(self.cfg, self.env, moe),
@@ -135,6 +140,18 @@ class LayerCache:
             self.bwd_points[key] = fo is not None and any(
                 pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))
         return self._cache[key]
+
+    def _routed_row(self, row, sw):
+        """An expert-side op's row under the routing bound (estimator.moe_tokens): its saved bytes with the
+        rank's routed tokens, its transients also with the busiest expert's (an op here spans all local experts,
+        so its peak may be one expert's transient on top of the others' saved bytes: the larger errs high)."""
+        fo = F.select(self.fset, row[0], sw)
+        if fo is None:
+            return row
+        k, r = self.env["k"], self.routing
+        saved, fwd, bwd = F.evaluate_selected(self.fset, row[0], fo, ChainMap({"k": k * r.rank}, self.env))
+        _, fwd_x, bwd_x = F.evaluate_selected(self.fset, row[0], fo, ChainMap({"k": k * r.busiest}, self.env))
+        return (row[0], saved, max(fwd, fwd_x), max(bwd, bwd_x))
 
     def held_bwd(self, kinds, first: bool, last: bool) -> Tuple[float, float]:
         """(bytes to add to a unit's backward for what the backward holds from before it, and for its output
