@@ -9,8 +9,6 @@ per in-flight microbatch), `fwd_extra` (transient above the level at chunk entry
 """
 from __future__ import annotations
 
-from collections import ChainMap
-
 from estimator._record import dataclass, field
 
 from . import formulas as F
@@ -128,7 +126,9 @@ class LayerCache:
             ops = ATTN_OPS + mlp + (LAYER_OP,)
             rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
             if moe and self.routing.scales:
-                rows = [self._routed_row(r, sw) if moe_tokens.routed(r[0]) else r for r in rows]
+                # A per-op set's layer transients (the layer op's per-point formulas) span the MoE layer's routed
+                # buffers too: their k terms scale like the expert side's.
+                rows = [self._routed_row(r, sw) if moe_tokens.routed(r[0]) or r[0] == LAYER_OP else r for r in rows]
             # Modelled features that change a layer's saved bytes beyond the formula set's switches.
             extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
                      moe_router.layer_row(self.cfg, self.env, moe),
@@ -143,15 +143,20 @@ class LayerCache:
 
     def _routed_row(self, row, sw):
         """An expert-side op's row under the routing bound (estimator.moe_tokens): its saved bytes with the
-        rank's routed tokens, its transients also with the busiest expert's (an op here spans all local experts,
-        so its peak may be one expert's transient on top of the others' saved bytes: the larger errs high)."""
+        rank's routed tokens; its transients, which may be one expert's on top of the others' saved bytes, with the
+        busiest expert's tokens in the per-expert terms (those with 1/E: tokens * k * ep / E) and the rank's in the
+        other routed ones (errs high: an op here spans all local experts, or the whole layer)."""
         fo = F.select(self.fset, row[0], sw)
         if fo is None:
             return row
-        k, r = self.env["k"], self.routing
-        saved, fwd, bwd = F.evaluate_selected(self.fset, row[0], fo, ChainMap({"k": k * r.rank}, self.env))
-        _, fwd_x, bwd_x = F.evaluate_selected(self.fset, row[0], fo, ChainMap({"k": k * r.busiest}, self.env))
-        return (row[0], saved, max(fwd, fwd_x), max(bwd, bwd_x))
+        r = self.routing
+        saved = moe_tokens.scaled(fo.saved, self.env, r.rank, r.rank)
+        fwd = moe_tokens.scaled(fo.fwd_peak, self.env, r.rank, r.busiest)
+        bwd = moe_tokens.scaled(fo.bwd_peak, self.env, r.rank, r.busiest)
+        for pf in F.point_formulas(self.fset, row[0], fo.when):
+            fwd = max(fwd, moe_tokens.scaled(pf.fwd_peak, self.env, r.rank, r.busiest))
+            bwd = max(bwd, moe_tokens.scaled(pf.bwd_peak, self.env, r.rank, r.busiest))
+        return (row[0], saved, fwd, bwd)
 
     def held_bwd(self, kinds, first: bool, last: bool) -> Tuple[float, float]:
         """(bytes to add to a unit's backward for what the backward holds from before it, and for its output

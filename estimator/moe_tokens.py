@@ -25,7 +25,9 @@ there (min(k, local experts) copies): with EP=1 all experts are local and the ra
 whatever the routing, yet one expert may take up to (F - 1) x E more than its share (bounded too by each token
 reaching an expert at most once, E/k times balanced, and by the capacity): its transients grow, which the composed
 replay models by running that busiest expert last (on top of the others' saved bytes; first in backward), the other
-local experts sharing what is left.
+local experts sharing what is left. A per-op set has one row for all local experts (and its layer transients span
+the whole MoE layer): its saved bytes take the rank's factor, its transients the busiest expert's in the per-expert
+terms (those with 1/E) and the rank's in the others (`scaled`).
 """
 from __future__ import annotations
 
@@ -146,3 +148,19 @@ def routed(label: str) -> bool:
 def per_expert(label: str) -> bool:
     """Whether a label belongs to one local expert's own subtree (run once per local expert)."""
     return label == PER_EXPERT or label.startswith(PER_EXPERT + ".") or label.startswith(PER_EXPERT + "@")
+
+
+def scaled(terms, env, rank: float, busiest: float) -> float:
+    """A quantity's bytes with its routed-token terms (those with k) scaled: by `busiest` where the term is per
+    expert (1/E), else by `rank`."""
+    total = 0.0
+    for t in terms or ():
+        v = t.value(env)
+        if v:
+            powers = dict(t.vars)
+            k = powers.get("k", 0)
+            if k:
+                v *= (busiest if powers.get("E", 0) < 0 else rank) ** k
+        total += v
+    return total
+

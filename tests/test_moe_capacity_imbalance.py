@@ -166,3 +166,32 @@ def test_padded_to_capacity_run_is_predicted_as_well_as_the_balanced_run(tmp_pat
     err_pad = A._err(A.predict(cfg_p, "cpu_compose")[0]["peak_bytes"], m_pad)
     err_bal = A._err(A.predict(cfg_b, "cpu_compose")[0]["peak_bytes"], m_bal)
     assert -0.5 <= err_pad <= max(abs(err_bal), 0.5) + 0.5, (err_pad, err_bal)
+
+
+@pytest.mark.parametrize("fset", ["modelled", "cpu_compose"])
+def test_rank_bound_scales_routed_rows_and_leaves_the_router(fset):
+    """Per-op and composed sets alike: a MoE layer's routed saved bytes grow by exactly the rank's factor (2 here:
+    E=8, k=2, 4 local experts, F=2) -- the local experts' summed over them, the modelled set's expert-side ops whole
+    (every term routed) --, the expert side as a whole more, the router's and the attention's not at all. (A fitted
+    segment alone may shrink: its k terms can carry negative coefficients that another segment's cancel.)"""
+    from estimator import activations as ACT
+    from estimator import formulas as F
+    s = F.load(fset)
+
+    def ops(extra):
+        cfg = parse_args(BASE + extra)
+        cache = ACT.cache_for(s, cfg)
+        _, per_op = ACT.chunk_activations(cache, [True, True], True, True, False)
+        return per_op
+
+    one, two = ops(["--moe-imbalance", "1"]), ops(["--moe-imbalance", "2"])
+    exact = [op for op in one if (moe_tokens.per_expert(op) or fset == "modelled") and moe_tokens.routed(op)
+             and one[op]["saved"] > 0]
+    assert exact, one.keys()
+    for op in one:
+        if moe_tokens.routed(op) and (moe_tokens.per_expert(op) or fset == "modelled"):
+            assert two[op]["saved"] == pytest.approx(2 * one[op]["saved"]), op
+        elif op.startswith("layers.*.mlp.router") or op.startswith("layers.*.self_attention"):
+            assert two[op]["saved"] == one[op]["saved"], op
+    side = [op for op in one if moe_tokens.routed(op)]
+    assert sum(two[op]["saved"] for op in side) > sum(one[op]["saved"] for op in side)
