@@ -43,7 +43,8 @@ def test_get_capacity_is_megatron_cores(tokens, experts, factor):
 
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("seq,mbs,experts,topk,factor", [
-    (128, 1, 8, 2, 1.5), (96, 2, 4, 1, 1.0), (64, 1, 6, 2, 0.5), (128, 2, 4, 2, 1.25), (32, 1, 8, 2, 3.0)])
+    (128, 1, 8, 2, 1.5), (96, 2, 4, 1, 1.0), (64, 1, 6, 2, 0.5), (128, 2, 4, 2, 1.25), (32, 1, 8, 2, 3.0),
+    (16, 1, 4, 2, 3.0)])   # the last: capacity 24 > 16 tokens, every expert gets all 16
 def test_capacity_paths_against_megatron_core_routing(seq, mbs, experts, topk, factor, pad):
     """megatron-core's own router token dropping (apply_router_token_dropping, on random top-k routing) sends each
     expert exactly the estimate's tokens with padding, and never more than its bound without."""
