@@ -87,6 +87,14 @@ class Routing:
                     f"expert and source rank, and at most --moe-imbalance {self.imbalance:g}x balanced" + tail)
         return f"dropless, balanced x --moe-imbalance {self.imbalance:g} (an assumed bound)" + tail
 
+    def short(self) -> str:
+        """A few words for the summary's model line."""
+        if self.mode == "padded":
+            return f"padded, capacity {self.capacity_factor:g}"
+        if self.mode == "capacity":
+            return f"capacity {self.capacity_factor:g}"
+        return f"<={self.imbalance:g}x balanced" if self.mode == "balanced" else "dense"
+
     def to_json(self) -> dict:
         out = {"mode": self.mode, "assumption": self.describe()}
         if self.mode != "dense":
