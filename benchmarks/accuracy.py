@@ -177,7 +177,10 @@ def predict_json(cfg: dict, formulas: str) -> dict:
     from estimator import report as R
     # device="cpu": the measured runs are CPU runs (no GPU-only workspaces, estimator.gpu_runtime), with the kernels
     # the harness ran
-    rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + cfg["argv"], formulas=formulas, device="cpu",
+    argv = list(cfg["argv"])
+    if "--balanced-routing" in (cfg.get("launcher") or []) and "--moe-imbalance" not in argv:
+        argv += ["--moe-imbalance", "1"]   # the run's routing was exactly balanced: no bound to add
+    rep = cli.build_report(["--nproc_per_node", str(cfg["nproc"])] + argv, formulas=formulas, device="cpu",
                            kernels=run_kernels(cfg))
     return R.to_json(rep)
 

@@ -1,6 +1,6 @@
 """Predicted vs published H100 memory of Megatron-LM's functional tests (the development subset).
 
-    python benchmarks/gpu_reference.py [FILE] [--formulas SET] [--json OUT] [--check]
+    python benchmarks/gpu_reference.py [FILE] [--formulas SET] [--moe-imbalance F] [--json OUT] [--check]
 
 FILE (default benchmarks/megatron_ci_dev.json, a copy of the project's ../shared/gpu-reference/megatron_ci_dev.json):
 cases with Megatron-LM flags, the world size, the environment, and the measured `allocated_bytes.all.peak`
@@ -47,7 +47,8 @@ def world_flags(world: int) -> list[str]:
     return ["--nproc_per_node", "8", "--nnodes", str(world // 8)]
 
 
-def estimate_json(flags: list[str], world: int, env: dict, formulas: str | None = None) -> dict:
+def estimate_json(flags: list[str], world: int, env: dict, formulas: str | None = None,
+                  imbalance: float | None = None) -> dict:
     """The estimator's JSON document for a case, with the case's environment for the variables that size GPU
     runtime buffers (estimator.gpu_runtime.ENV_VARS)."""
     from estimator import cli, gpu_runtime
@@ -60,6 +61,7 @@ def estimate_json(flags: list[str], world: int, env: dict, formulas: str | None 
             else:
                 os.environ.pop(k, None)
         argv = world_flags(world) + [str(x) for x in flags] + (["--formulas", formulas] if formulas else [])
+        argv += ["--moe-imbalance", repr(float(imbalance))] if imbalance is not None else []
         return json.loads(json_text(cli.build_report(argv)))
     finally:
         for k, v in saved.items():
@@ -99,13 +101,13 @@ def op_sources(doc: dict, stage: dict) -> dict:
     return out
 
 
-def run(path: str, formulas: str | None = None) -> list[dict]:
+def run(path: str, formulas: str | None = None, imbalance: float | None = None) -> list[dict]:
     with open(path) as fh:
         cases = json.load(fh)["cases"]
     rows = []
     for c in cases:
         world = int(c["world_size"])
-        doc = estimate_json(c["megatron_flags"], world, c.get("env", {}), formulas)
+        doc = estimate_json(c["megatron_flags"], world, c.get("env", {}), formulas, imbalance)
         rank = doc["ranks"][world - 1]
         stage = next(s for s in doc["stages"] if s["pp_rank"] == rank["coords"]["pp"])
         meas_peak = c["measured_GiB"]["max_allocated"] * GiB
@@ -164,10 +166,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("file", nargs="?", default=DEFAULT_FILE)
     ap.add_argument("--formulas", help="formula set name or file (default: the estimator's default)")
+    ap.add_argument("--moe-imbalance", type=float, help="the MoE routing bound (default: the estimator's)")
     ap.add_argument("--json", help="write the rows (integer bytes) to this file")
     ap.add_argument("--check", action="store_true", help="exit 1 when a case misses the target")
     a = ap.parse_args(argv)
-    rows = run(a.file, a.formulas)
+    rows = run(a.file, a.formulas, a.moe_imbalance)
     print("\n".join(report(rows)))
     if a.json:
         with open(a.json, "w") as fh:

@@ -66,6 +66,8 @@ def run_config(path: str) -> tuple:
         argv = ast.literal_eval(argv)
     cfg = parse_args(["--nproc_per_node", str(hdr["world_size"])] + list(argv))
     cfg.kernels = header_kernels(hdr)   # the kernels the CPU run had
+    if hdr.get("routing") == "balanced":
+        cfg.moe_imbalance = 1.0         # exactly balanced MoE routing (tracer/moe_routing.py): no bound to add
     return cfg, hdr
 
 

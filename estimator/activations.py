@@ -12,7 +12,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
-from . import fp8, fused_softmax, moe_router, offload
+from . import fp8, fused_softmax, moe_router, moe_tokens, offload
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -94,6 +94,7 @@ class LayerCache:
         self.units: Dict[Any, Tuple[tuple, float]] = {}  # chunk_activations' layer / checkpoint-group units
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])
+        self.routing = moe_tokens.routing(cfg)
 
     def model_unit(self, ops) -> tuple:
         """The unit of non-layer ops (embedding, or final norm + output layer + loss) run in order."""
@@ -124,6 +125,10 @@ class LayerCache:
                 mlp = MOE_MLP_OPS[:-1]   # no shared-expert module: no row (its formulas are not all zero then)
             ops = ATTN_OPS + mlp + (LAYER_OP,)
             rows = _op_rows(self.fset, ops, sw, self.env, self._fallbacks)
+            if moe and self.routing.scales:
+                # A per-op set's layer transients (the layer op's per-point formulas) span the MoE layer's routed
+                # buffers too: their k terms scale like the expert side's.
+                rows = [self._routed_row(r, sw) if moe_tokens.routed(r[0]) or r[0] == LAYER_OP else r for r in rows]
             # Modelled features that change a layer's saved bytes beyond the formula set's switches.
             extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
                      moe_router.layer_row(self.cfg, self.env, moe),
@@ -135,6 +140,23 @@ class LayerCache:
             self.bwd_points[key] = fo is not None and any(
                 pf.bwd_peak for pf in F.point_formulas(self.fset, LAYER_OP, fo.when))
         return self._cache[key]
+
+    def _routed_row(self, row, sw):
+        """An expert-side op's row under the routing bound (estimator.moe_tokens): its saved bytes with the
+        rank's routed tokens; its transients, which may be one expert's on top of the others' saved bytes, with the
+        busiest expert's tokens in the per-expert terms (those with 1/E: tokens * k * ep / E) and the rank's in the
+        other routed ones (errs high: an op here spans all local experts, or the whole layer)."""
+        fo = F.select(self.fset, row[0], sw)
+        if fo is None:
+            return row
+        r = self.routing
+        saved = moe_tokens.scaled(fo.saved, self.env, r.rank, r.rank)
+        fwd = moe_tokens.scaled(fo.fwd_peak, self.env, r.rank, r.busiest)
+        bwd = moe_tokens.scaled(fo.bwd_peak, self.env, r.rank, r.busiest)
+        for pf in F.point_formulas(self.fset, row[0], fo.when):
+            fwd = max(fwd, moe_tokens.scaled(pf.fwd_peak, self.env, r.rank, r.busiest))
+            bwd = max(bwd, moe_tokens.scaled(pf.bwd_peak, self.env, r.rank, r.busiest))
+        return (row[0], saved, fwd, bwd)
 
     def held_bwd(self, kinds, first: bool, last: bool) -> Tuple[float, float]:
         """(bytes to add to a unit's backward for what the backward holds from before it, and for its output

@@ -81,6 +81,12 @@ class TrainingConfig:
     moe_router_score_function: str = "softmax"
     moe_router_load_balancing_type: Any = "aux_loss"   # one type, or a list (Megatron-LM: nargs='+')
     moe_aux_loss_coeff: Any = 0.0   # one coefficient, or one per load-balancing type (nargs='+')
+    moe_expert_capacity_factor: Optional[float] = None   # None (or negative): dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    # get-training-info's own option, not Megatron's: the dropless routing bound (estimator.moe_tokens); None: its
+    # documented default
+    moe_imbalance: Optional[float] = None
     # --- parallelism ---
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -213,6 +219,7 @@ _CHOICES = {
     "fp8": ["e4m3", "hybrid"],
     "softmax_type": ["vanilla", "off-by-one", "learnable"],
     "moe_router_dtype": ["fp32", "fp64"],
+    "moe_token_drop_policy": ["probs", "position"],
     "fp8_recipe": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
 }
 
@@ -272,6 +279,10 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--moe-router-score-function": ("moe_router_score_function", "str"),
     "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "list"),
     "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", "list"),
+    "--moe-expert-capacity-factor": ("moe_expert_capacity_factor", "float"),
+    "--moe-pad-expert-input-to-capacity": ("moe_pad_expert_input_to_capacity", "true"),
+    "--moe-token-drop-policy": ("moe_token_drop_policy", "str"),
+    "--moe-imbalance": ("moe_imbalance", "float"),
     "--tensor-model-parallel-size": ("tensor_model_parallel_size", "int"),
     "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", "int"),
     "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", "int"),
@@ -339,6 +350,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--master_port": ("master_port", "int"),
     "--master-port": ("master_port", "int"),
 }
+
+# Flags of get-training-info itself that configs carry (not Megatron-LM's): a HF config file, the MoE routing bound.
+TOOL_FLAGS = ("--hf-config", "--moe-imbalance")
 
 # Megatron flags removed long ago; Megatron refuses them with these messages.
 _REFUSED = {
@@ -823,6 +837,29 @@ def _validate_recompute(cfg: TrainingConfig) -> None:
                           "recompute loop never advances; use --recompute-method block to recompute no layer")
 
 
+def _validate_capacity(cfg: TrainingConfig) -> None:
+    """Token dropping: megatron-core 0.16.1's TransformerConfig checks, and the padded all-to-all it cannot run."""
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None:
+        kinds = cfg.moe_router_load_balancing_type
+        if any(x not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+               for x in (kinds if isinstance(kinds, list) else [kinds])):
+            raise ConfigError("moe_expert_capacity_factor only works with aux_loss, seq_aux_loss, global_aux_loss "
+                              "or none load balancing")
+    if cfg.moe_pad_expert_input_to_capacity and (factor is None or factor < 0):
+        # a negative factor is dropless there (None), so the same check fails
+        raise ConfigError("moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity")
+    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_token_dispatcher_type == "alltoall":
+        from estimator import moe_tokens
+        r = moe_tokens.routing(cfg)
+        if r.capacity > r.tokens:
+            # the router then keeps every token for every expert, and the padded permute's view(experts, capacity)
+            # fails (moe_utils.permute with drop_and_pad)
+            raise ConfigError(f"--moe-pad-expert-input-to-capacity with the alltoall dispatcher: capacity "
+                              f"{r.capacity} exceeds the {r.tokens} tokens per rank, which megatron-core's padded "
+                              f"permute cannot reshape (lower --moe-expert-capacity-factor)")
+
+
 def _validate_moe(cfg: TrainingConfig) -> None:
     balancing, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
     if isinstance(balancing, list) and not (isinstance(coeff, list) and len(coeff) == len(balancing)):
@@ -849,6 +886,7 @@ def _validate_moe(cfg: TrainingConfig) -> None:
                           f"{cfg.num_layers}, current moe layer pattern: {cfg.moe_layer_freq}")
     if isinstance(cfg.moe_layer_freq, int) and cfg.moe_layer_freq <= 0:
         raise ConfigError(f"moe_layer_freq must be positive, got {cfg.moe_layer_freq}")
+    _validate_capacity(cfg)
     if cfg.moe_ffn_hidden_size % cfg.expert_tensor_parallel_size != 0:
         raise ConfigError(f"moe_ffn_hidden_size ({cfg.moe_ffn_hidden_size}) is not divisible by "
                           f"expert_tensor_parallel_size ({cfg.expert_tensor_parallel_size})")

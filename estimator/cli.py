@@ -20,6 +20,7 @@ from estimator import report as R
 from estimator import torchrun as TR
 from estimator import verdict as V
 from estimator.args import ConfigError, TrainingConfig, parse_args
+from estimator.moe_tokens import DEFAULT_IMBALANCE
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
 
@@ -52,6 +53,11 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
                           {presets}
   --hf-config FILE        the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral,
                           Qwen2, GPT-2)
+  --moe-imbalance F       dropless MoE: assume no expert receives more than F times its balanced
+                          share of routed tokens (F >= 1; default {imb:g}, the bound a fresh
+                          router's natural routing stayed within: README, Accuracy); with
+                          --moe-expert-capacity-factor C the bound is also C, with
+                          --moe-pad-expert-input-to-capacity exactly C
   --formulas NAME|FILE    activation formula set: a shipped name ({sets})
                           or a formula-set JSON file
   --json                  print the estimate as JSON (bytes) instead of the text report
@@ -340,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                gpus=fill(V.GPUS, 39),
                                ctx=V.DEFAULTS["cuda_context_gib"],
                                nccl=V.DEFAULTS["nccl_gib_per_communicator"],
-                               frag=V.DEFAULTS["fragmentation_percent"]))
+                               frag=V.DEFAULTS["fragmentation_percent"], imb=DEFAULT_IMBALANCE))
             return 0
         if own["search"]:
             return _search(argv, own)

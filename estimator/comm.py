@@ -23,7 +23,7 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
-from estimator import fp8, sharding
+from estimator import fp8, moe_tokens, sharding
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, chunk_buffer, ddp_bucket_size, precision
 
 
@@ -416,12 +416,15 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         moe_layers = _moe_layers_per_stage(cfg, layers)
         tokens = s * b // (t if sp else 1)
         disp = _g(cfg, "moe_token_dispatcher_type", "allgather")
+        routing = moe_tokens.routing(cfg)
+        # A rank sends each of its tokens' k copies (fewer when dropped); padded to capacity, capacity rows per expert.
+        sent = routing.capacity * num_experts if routing.mode == "padded" else tokens * k
         for p in range(pp):
             n = moe_layers[p]
             if disp == "alltoall" and ep > 1:
-                add("ep", "all-to-all", "token dispatch + combine (top-k copies)", "ep", (tokens * k, h), pdt, 2 * n,
+                add("ep", "all-to-all", "token dispatch + combine (top-k copies)", "ep", (sent, h), pdt, 2 * n,
                     [p], "fwd", modelled=True)
-                add("ep", "all-to-all", "dispatch + combine grads", "ep", (tokens * k, h), pdt, 2 * n, [p], "bwd",
+                add("ep", "all-to-all", "dispatch + combine grads", "ep", (sent, h), pdt, 2 * n, [p], "bwd",
                     modelled=True)
             else:
                 gsz = len(lay.groups["expert-tp-ep"][0])
@@ -433,8 +436,9 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                     modelled=True)
                 add("ep", "reduce-scatter", "token grads", "expert-tp-ep", (tokens * gsz, h), pdt, n, [p], "bwd",
                     modelled=True)
-        notes.append("EP: token dispatch volumes assume balanced routing; routing metadata collectives are small "
-                     "and not listed (modelled).")
+        notes.append("EP: all-to-all volumes are what each rank sends (every token's top-k copies, or capacity rows "
+                     "per expert when padded; what a rank receives depends on routing); routing metadata collectives "
+                     "are small and not listed (modelled).")
 
     if chunks_by_stage is not None and sharding.active(cfg):
         def fsdp_row(op, what, group, n, dtype, per_mb, per_iter, p, phase):

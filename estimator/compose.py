@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import ChainMap
 
 from . import formulas as F
+from . import moe_tokens
 
 ROOT = "step"
 FIRST_ONLY = ("data.tokens", "embedding")
@@ -43,6 +44,7 @@ class ComposedCache:
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
+        self.routing = moe_tokens.routing(cfg)
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input
         self._values: dict = {}
@@ -69,21 +71,24 @@ class ComposedCache:
                 "standins": standin_families(self.sw)}
 
     # ---- values
-    def values(self, label: str, sw: dict) -> tuple:
-        """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label under switches sw."""
-        key = (label, sw["moe"], sw["recompute"])
+    def values(self, label: str, sw: dict, tokens: float = 1.0) -> tuple:
+        """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label under switches sw; `tokens`: the factor
+        on its routed tokens (estimator.moe_tokens), applied to k."""
+        key = (label, sw["moe"], sw["recompute"], tokens)
         hit = self._values.get(key)
         if hit is None:
-            hit = self._values[key] = self._evaluate(label, sw)
+            hit = self._values[key] = self._evaluate(label, sw, tokens)
         return hit
 
-    def _evaluate(self, label: str, sw: dict) -> tuple:
+    def _evaluate(self, label: str, sw: dict, tokens: float = 1.0) -> tuple:
         """Each quantity from the label's most specific entry that gives it and matches sw, measured where the
         entry's runs had the config's switch values; else extrapolated: the largest value among the determined
         entries nearest the config's switches (fewest `when` values differing from it)."""
         vals, measured = [], True
         terms: list = [None] * 4
         env = ChainMap(F.indicators(sw), self.env)     # a layer's own switches (dense / MoE, recompute)
+        if tokens != 1.0:
+            env = ChainMap({"k": self.env["k"] * tokens}, env)
         for i in range(4):
             have = [sf for sf in self._by_label.get(label, []) if sf.quantities[i] is not F.NOT_GIVEN]
             if not have:    # the label never has this phase: no bytes
@@ -163,18 +168,28 @@ class ComposedCache:
                     self._expand(c, None, self.sw, out)
                     self._own(own_label("decoder", c), None, self.sw, out, op="decoder")
 
-    def _expand(self, op: str, layer, sw: dict, out: list) -> None:
-        self._own(op, layer, sw, out)
+    def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None) -> None:
+        self._own(op, layer, sw, out, expert=expert)
         for c in self.children(op, sw):
-            # A SequentialMLP runs its local experts one after another, each on its share of the tokens.
-            for _ in range(self.local_experts if c.endswith(EXPERT) else 1):
-                self._expand(c, layer, sw, out)
-                self._own(own_label(op, c), layer, sw, out, op=op)
+            # A SequentialMLP runs its local experts one after another, each on its share of the tokens; under a
+            # routing bound the busiest runs last (on top of the others' saved bytes, first in backward).
+            n = self.local_experts if c.endswith(EXPERT) else 1
+            for i in range(n):
+                share = expert
+                if c.endswith(EXPERT) and sw["moe"] and self.routing.scales:
+                    share = self.routing.busiest if i == n - 1 else self.routing.rest
+                self._expand(c, layer, sw, out, share)
+                self._own(own_label(op, c), layer, sw, out, op=op, expert=expert)
 
-    def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None) -> None:
+    def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
+             expert: float | None = None) -> None:
         if label not in self._by_label:
             return      # never seen allocating in any traced run: a segment without bytes
-        out.append((label, self.values(label, sw), op or label, layer))
+        tokens = 1.0
+        if sw["moe"] and self.routing.scales and moe_tokens.routed(label):
+            # one local expert's segments take its share; the rest of the expert side the rank's
+            tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
+        out.append((label, self.values(label, sw, tokens), op or label, layer))
 
 
 def term_tensors(terms, env) -> list:

@@ -44,8 +44,6 @@ REFUSED = {
     "--reuse-grad-buf-for-mxfp8-param-ag": "reusing the grad buffer for the mxfp8 param all-gather is not modelled",
     "--moe-shared-expert-gate": "the shared-expert gate's parameters are not modelled",
     "--moe-enable-deepep": "DeepEP dispatch buffers are not modelled",
-    "--moe-expert-capacity-factor": "token dropping / capacity changes tokens per expert; not modelled",
-    "--moe-pad-expert-input-to-capacity": "padding experts to capacity is not modelled",
     "--moe-layer-recompute": "MoE layer recompute is not modelled",
     "--moe-apply-probs-on-input": "applying router probabilities on the input is not modelled",
     "--moe-latent-size": "MoE latent projections are not modelled",

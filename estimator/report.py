@@ -4,7 +4,7 @@ Text uses explicit binary units (MiB, GiB = 2^30 bytes); JSON carries plain inte
 """
 from __future__ import annotations
 
-from estimator import features
+from estimator import features, moe_tokens
 
 JSON_FORMAT = "megatron-memtrace-estimate"
 JSON_VERSION = 1
@@ -124,6 +124,7 @@ def _describe(cfg) -> list[str]:
     if recompute == "full":
         recompute += f" ({cfg.recompute_method}, {cfg.recompute_num_layers} layers)"
     vp = cfg.virtual_pipeline_model_parallel_size
+    routing = [f"MoE routing  {moe_tokens.routing(cfg).describe()}"] if cfg.is_moe else []
     return [
         f"Model        {cfg.num_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, "
         f"heads {cfg.num_attention_heads} (query groups {cfg.num_query_groups}, head dim {cfg.kv_channels}), "
@@ -141,6 +142,7 @@ def _describe(cfg) -> list[str]:
         f"Training     micro batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size}, "
         f"{cfg.num_microbatches} microbatches per iteration; {dtype}; optimizer {cfg.optimizer}; "
         f"recompute {recompute}; attention {cfg.attention_kernel}",
+        *routing,
     ]
 
 
@@ -494,6 +496,8 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
         "modelled_features": features.modelled(cfg),
+        # the routing assumption the expert-side activations were estimated under (estimator.moe_tokens)
+        **({"moe_routing": moe_tokens.routing(cfg).to_json()} if cfg.is_moe else {}),
         "schedule": est.schedule,
         "max_peak_bytes": _int(est.max_peak_bytes),
         "max_peak_rank": worst_rank(report),

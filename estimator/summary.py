@@ -38,7 +38,10 @@ def _headline(report) -> list[str]:
     from estimator.model import model_total_params
     from estimator.report import human_count
     dtype = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    moe = f", {cfg.num_experts} experts top-{cfg.moe_router_topk}" if cfg.is_moe else ""
+    moe = ""
+    if cfg.is_moe:
+        from estimator.moe_tokens import routing
+        moe = f", {cfg.num_experts} experts top-{cfg.moe_router_topk} ({routing(cfg).short()})"
     model = (f"Model     {human_count(model_total_params(cfg))} params: {cfg.num_layers} layers x {cfg.hidden_size}"
              f"{moe}, seq {cfg.seq_length}, {dtype}")
     par = f"TP {cfg.tensor_model_parallel_size} CP {cfg.context_parallel_size} PP {cfg.pipeline_model_parallel_size}"

@@ -57,6 +57,7 @@ _BELOW_MINIMUM = {
 _FLOATS = {
     "hidden_dropout": (0.0, 1.0, True), "attention_dropout": (0.0, 1.0, True),
     "rotary_percent": (0.0, 1.0, False), "norm_epsilon": (0.0, math.inf, True),
+    "moe_imbalance": (1.0, math.inf, True),   # a bound on routed tokens relative to balanced (estimator.moe_tokens)
 }
 
 

@@ -180,11 +180,11 @@ def test_flags_modelled_as_absent_are_labelled_not_ignored():
 
 def test_every_megatron_flag_has_one_policy():
     from estimator import flag_policy
-    from estimator.args import _FLAGS
+    from estimator.args import _FLAGS, TOOL_FLAGS
     from estimator.megatron_flags import MEGATRON_LM
     for table in (flag_policy.REFUSED, flag_policy.REFUSED_UNLESS, flag_policy.CONSERVATIVE):
         assert set(table) <= set(MEGATRON_LM), set(table) - set(MEGATRON_LM)   # no stale names
-    parsed = set(_FLAGS) - {"--hf-config"}
+    parsed = set(_FLAGS) - set(TOOL_FLAGS)
     assert parsed <= set(MEGATRON_LM) | set(flag_policy.TORCHRUN), parsed - set(MEGATRON_LM)
     for a, b in ((parsed, flag_policy.REFUSED), (parsed, flag_policy.CONSERVATIVE),
                  (flag_policy.REFUSED, flag_policy.CONSERVATIVE), (parsed, flag_policy.REFUSED_UNLESS)):

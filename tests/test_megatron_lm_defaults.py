@@ -85,6 +85,12 @@ CASES = {
                        fp32_residual_connection=True, apply_residual_connection_post_layernorm=True,
                        cross_entropy_loss_fusion=True, calculate_per_token_loss=True, init_method_std=0.01,
                        use_cpu_initialization=True)),
+    # --moe-expert-capacity-factor (float), --moe-pad-expert-input-to-capacity (store_true) and
+    # --moe-token-drop-policy (choices probs|position) from _add_moe_args, copied as they are
+    "moe_capacity": (["--num-experts", "4", "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+                      "--moe-token-drop-policy", "position"],
+                     dict(num_moe_experts=4, moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+                          moe_token_drop_policy="position")),
     "uneven_pp": (["--nproc_per_node", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "5",
                    "--decoder-first-pipeline-num-layers", "2"],
                   dict(num_layers_in_first_pipeline_stage=2)),

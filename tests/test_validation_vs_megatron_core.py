@@ -65,6 +65,12 @@ GRID = [
     "--nproc_per_node 2 --nnodes 2 --tensor-model-parallel-size 4",
     MOE + "--moe-router-load-balancing-type aux_loss seq_aux_loss",
     MOE + "--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001",
+    MOE + "--moe-expert-capacity-factor 1.5", MOE + "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity",
+    MOE + "--moe-pad-expert-input-to-capacity", MOE + "--moe-expert-capacity-factor -1 --moe-pad-expert-input-to-capacity",
+    MOE + "--moe-expert-capacity-factor 1 --moe-router-load-balancing-type sinkhorn",
+    MOE + "--moe-expert-capacity-factor -1 --moe-router-load-balancing-type sinkhorn",
+    MOE + "--moe-expert-capacity-factor 1 --moe-router-load-balancing-type aux_loss sinkhorn "
+          "--moe-aux-loss-coeff 0.01 0.001",
 ]
 
 # Refused by the estimator although megatron-core's start-up checks pass: the run would fail later, or Megatron-LM's
@@ -120,6 +126,8 @@ def _core_kwargs(given: dict) -> dict:
         moe_aux_loss_coeff=_unpack([float(c) for c in g("moe_aux_loss_coeff", [0.0])]),
         moe_ffn_hidden_size=g("moe_ffn_hidden_size"),
         moe_shared_expert_intermediate_size=g("moe_shared_expert_intermediate_size"),
+        moe_expert_capacity_factor=g("moe_expert_capacity_factor"),
+        moe_pad_expert_input_to_capacity=bool(g("moe_pad_expert_input_to_capacity")),
         add_bias_linear=g("add_bias_linear", True),
         recompute_granularity=granularity, recompute_method=g("recompute_method"),
         recompute_num_layers=g("recompute_num_layers"),
