@@ -68,7 +68,7 @@ class ComposedCache:
         if self.untraced:
             share = 0.0
         return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced,
-                "standins": standin_families(self.sw)}
+                "standins": standin_families(self.sw, self.untraced)}
 
     # ---- values
     def values(self, label: str, sw: dict, tokens: float = 1.0) -> tuple:
@@ -228,7 +228,12 @@ def untraced_features(cfg, sw: dict, fset) -> list:
         for sf in fset.segments:
             for k, vals in sf.seen:
                 seen_values.setdefault(k, set()).update(vals)
+        # A set fitted before the kernel switches existed saw only the CPU kernels.
+        for k, v in F.CPU_KERNELS.items():
+            seen_values.setdefault(k, {v})
     for k, v in sw.items():
+        if k == "dropout_mask" and not sw.get("dropout"):
+            continue    # no dropout, no mask
         if k in seen_values and v not in seen_values[k]:
             out.append(f"{k}={v}")
     g = (lambda n, d=None: cfg.get(n, d) if isinstance(cfg, dict) else getattr(cfg, n, d))
@@ -289,10 +294,11 @@ STANDIN_FAMILIES = (
 )
 
 
-def standin_families(sw: dict) -> list:
-    """The config's GPU kernel families whose formulas were measured on CPU stand-ins."""
-    out = [name for (key, value), name in STANDIN_FAMILIES if sw.get(key) == value]
-    if sw.get("dropout") and sw.get("dropout_mask") == "byte":
+def standin_families(sw: dict, untraced: list = ()) -> list:
+    """The config's GPU kernel families whose formulas were measured on CPU stand-ins (not those the set never
+    traced, `untraced`)."""
+    out = [name for (key, value), name in STANDIN_FAMILIES if sw.get(key) == value and f"{key}={value}" not in untraced]
+    if sw.get("dropout") and sw.get("dropout_mask") == "byte" and "dropout_mask=byte" not in untraced:
         out.append("1-byte dropout masks")
     return out
 

@@ -28,7 +28,10 @@ from .solve import FitRefused, bound_fit, fit_group
 from .switch_terms import measured_on, merge
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
-ORDER = SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")
+# The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
+# pairs the first switches with every other.
+ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
+                                    "dropout_mask")
 STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp", "recompute")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).

@@ -13,7 +13,8 @@ from estimator.memory import estimate
 
 ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--vocab-size", "128",
-        "--transformer-impl", "local"]
+        "--transformer-impl", "local", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]   # the CPU kernels: what the synthetic set below was "measured" with
 
 
 def _seg(label, fd, fp, bd, bp, when=None, seen=None):
