@@ -15,6 +15,8 @@ from fractions import Fraction as F
 import numpy as np
 import pytest
 
+from estimator.formulas import kernels
+
 from estimator.args import parse_args
 from estimator.formulas import evaluate as set_evaluate
 from estimator.formulas import load as load_set
@@ -136,6 +138,7 @@ def write_run(path, cfg, argv, recompute_extra=0):
     header = {"format": "megatron-memtrace", "version": 1, "rank": 0, "world_size": 1, "config": cfg,
               "argv": argv, "device": "synthetic", "backend": "host",
               "versions": {"torch": "n/a", "megatron_core": "n/a"}, "iterations": 2, "target": "harness",
+              "kernels": kernels(cfg),  # as a GPU run of these flags records them
               "allocator_peak_bytes": 0}  # present: the run ended (its value is not what the fit reads)
     write_trace(str(path / "rank0"), w.records(), w.names, header=header)
 
