@@ -51,6 +51,9 @@ TOGGLES = [  # (name, flags to add, flags to remove)
 ]
 
 
+TOGGLE = {name: (add, drop) for name, add, drop in TOGGLES}
+
+
 # Pairs of toggles whose ops interact (dropout, recompute, rotary positions, GQA, biases and sequence parallelism all
 # change what the attention and the bias-dropout-add keep): each pair applied together to each base.
 PAIRS = [("dropout", "selective"), ("dropout", "tp2sp"), ("selective", "tp2sp"), ("dropout", "nobias"),
@@ -88,6 +91,21 @@ def _entry(prefix: str, flags: dict, shape) -> dict:
     return entry
 
 
+def toggled(base: dict, names) -> dict | None:
+    """The base's flags with the named toggles applied together; None where one of them would leave the base as it
+    is (the base already has that value: a combination another entry covers)."""
+    flags = dict(base)
+    for name in names:
+        add, drop = TOGGLE[name]
+        if (drop and not any(key in base for key in drop)) or (add and all(base.get(key) == val
+                                                                           for key, val in add.items())):
+            return None
+        for key in drop:
+            flags.pop(key, None)
+        flags.update(add)
+    return flags
+
+
 def configs() -> list:
     out, k = [], 0
     for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
@@ -108,20 +126,10 @@ def configs() -> list:
             start, k = k, k + first
             for j in range(n_shapes):
                 out.append(_entry(f"{base_name}_{name}", flags, SHAPES[(start + j) % len(SHAPES)]))
-    toggles = {name: (add, drop) for name, add, drop in TOGGLES}
     for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
         for a, b in PAIRS:
-            flags = dict(base)
-            applies = True
-            for name in (a, b):
-                add, drop = toggles[name]
-                if (drop and not any(key in base for key in drop)) or (add and all(base.get(key) == val
-                                                                                   for key, val in add.items())):
-                    applies = False
-                for key in drop:
-                    flags.pop(key, None)
-                flags.update(add)
-            if not applies:
+            flags = toggled(base, (a, b))
+            if flags is None:
                 continue
             for j in range(3):
                 out.append(_entry(f"{base_name}_{a}_{b}", flags, SHAPES[(k + j) % len(SHAPES)]))
@@ -163,20 +171,11 @@ TRIPLES = [("selective", "dropout", "rope"), ("selective", "dropout", "gqa"), ("
 
 
 def triple_configs(start: int) -> list:
-    toggles = {name: (add, drop) for name, add, drop in TOGGLES}
     out, k = [], start
     for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
         for names in TRIPLES:
-            flags, applies = dict(base), True
-            for name in names:
-                add, drop = toggles[name]
-                if (drop and not any(key in base for key in drop)) or (add and all(base.get(key) == val
-                                                                                   for key, val in add.items())):
-                    applies = applies and name in ("selective", "dropout")
-                for key in drop:
-                    flags.pop(key, None)
-                flags.update(add)
-            if not applies:
+            flags = toggled(base, names)
+            if flags is None:
                 continue
             for j in range(3):
                 out.append(_entry(f"{base_name}_{'_'.join(names)}", flags, SHAPES[(k + j) % len(SHAPES)]))
