@@ -570,16 +570,21 @@ CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse
                "fuse_rope": False, "dropout_mask": "dtype"}
 
 
+def softmax_batch_per_block(sk: int) -> int:
+    """megatron's scaled_masked_softmax_cuda.get_batch_per_block (csrc scaled_masked_softmax.h): warps of 32
+    threads, 128 threads per block, two rows per warp while a row has at most 128 elements."""
+    elements = 1 << max(0, (sk - 1).bit_length())
+    warp = min(elements, 32)
+    return (128 // warp) * (2 if elements <= 128 else 1)
+
+
 def _softmax_kernel_fits(cfg: Any, s: int, b: int, heads: int) -> bool:
     """megatron's FusedScaleMaskSoftmax.is_kernel_available for a causal mask: the fused kernel runs only for these
     shapes (else megatron falls back to torch's softmax)."""
     batches = b * heads
     if not (16 < s <= 4096 and s % 4 == 0 and batches % 4 == 0):
         return False
-    elements = 1 << max(0, (s - 1).bit_length())
-    warp = min(elements, 32)
-    per_block = (128 // warp) * (2 if elements <= 128 else 1)
-    return batches % per_block == 0
+    return batches % softmax_batch_per_block(s) == 0
 
 
 def kernels(cfg: Any) -> Dict[str, Any]:

@@ -187,12 +187,10 @@ def _gpu_overrides(cfg) -> dict:
         out["persist_layer_norm"] = False
     # TransformerConfig refuses RoPE fusion without TE's kernel, and megatron's softmax imports its extension when
     # it runs: built without them, the stand-ins (tracer.standins) turn them back on after construction.
-    from megatron.core.models.common.embeddings import rope_utils
-    if rope_utils.fused_apply_rotary_pos_emb is None:
+    from tracer.standins import rope_kernel_present, softmax_kernel_present
+    if not rope_kernel_present():
         out["apply_rope_fusion"] = False
-    try:
-        import scaled_masked_softmax_cuda  # noqa: F401
-    except ImportError:
+    if not softmax_kernel_present():
         out["masked_softmax_fusion"] = False
     return out
 

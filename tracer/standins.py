@@ -13,11 +13,9 @@ masked-softmax and RoPE extensions absent); there the flash stand-in runs torch'
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from estimator.formulas import kernels as kernel_switches
+from estimator.formulas import kernels as kernel_switches, softmax_batch_per_block
 
 
 # ----------------------------------------------------------------------------------------------- dropout
@@ -53,12 +51,8 @@ def _byte_mask_dropout(original):
 
 # ------------------------------------------------------------------------------------- masked softmax
 def batch_per_block(sq: int, sk: int, b: int, np_: int) -> int:
-    """megatron's scaled_masked_softmax_cuda.get_batch_per_block (csrc scaled_masked_softmax.h): warps of 32
-    threads, 128 threads per block, two rows per warp while a row has at most 128 elements."""
-    elements = 1 << max(0, math.ceil(math.log2(sk))) if sk > 0 else 1
-    warp = min(elements, 32)
-    batches_per_warp = 2 if elements <= 128 else 1
-    return (128 // warp) * batches_per_warp
+    """megatron's get_batch_per_block, which only the CUDA extension answers: the estimator's rule."""
+    return softmax_batch_per_block(sk)
 
 
 _CAUSAL = {}
@@ -216,6 +210,18 @@ def _te_norm(x, weight, bias, eps, rms):
     return _TENorm.apply(x, weight, bias, eps, rms)
 
 
+def _norm_parameters(config, size: int) -> tuple:
+    """A TE norm's weight (ones) and bias (zeros; none for RMSNorm) in the model's dtype, tagged for the
+    sequence-parallel gradient all-reduce as megatron tags its norms."""
+    dt = config.params_dtype
+    weight = torch.nn.Parameter(torch.ones(size, dtype=dt))
+    bias = None if config.normalization == "RMSNorm" else torch.nn.Parameter(torch.zeros(size, dtype=dt))
+    for p in (weight, bias):
+        if p is not None:
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+    return weight, bias
+
+
 def _modules():
     """The stand-in module classes, built on megatron-core's own (imported late: megatron is optional here)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -228,14 +234,8 @@ def _modules():
 
         def __init__(self, config, hidden_size, eps=1e-5, **_):
             super().__init__(config=config)
-            self.rms = config.normalization == "RMSNorm"
-            self.eps = eps
-            dt = config.params_dtype
-            self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dt))
-            self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dt))
-            for p in (self.weight, self.bias):
-                if p is not None:
-                    setattr(p, "sequence_parallel", config.sequence_parallel)
+            self.rms, self.eps = config.normalization == "RMSNorm", eps
+            self.weight, self.bias = _norm_parameters(config, hidden_size)
 
         def forward(self, x):
             return _te_norm(x, self.weight, self.bias, self.eps, self.rms)
@@ -250,14 +250,8 @@ def _modules():
             super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
                              gather_output=gather_output, skip_bias_add=skip_bias_add, is_expert=is_expert,
                              skip_weight_param_allocation=skip_weight_param_allocation, **kw)
-            self.rms = config.normalization == "RMSNorm"
-            self.eps = config.layernorm_epsilon
-            dt = config.params_dtype
-            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=dt))
-            self.layer_norm_bias = None if self.rms else torch.nn.Parameter(torch.zeros(input_size, dtype=dt))
-            for p in (self.layer_norm_weight, self.layer_norm_bias):
-                if p is not None:
-                    setattr(p, "sequence_parallel", config.sequence_parallel)
+            self.rms, self.eps = config.normalization == "RMSNorm", config.layernorm_epsilon
+            self.layer_norm_weight, self.layer_norm_bias = _norm_parameters(config, input_size)
 
         def forward(self, x, *args, **kwargs):
             ln_out = _te_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.rms)
@@ -369,6 +363,17 @@ def _importable(name: str) -> bool:
         return False
 
 
+def softmax_kernel_present() -> bool:
+    """megatron's fused masked-softmax extensions: the causal kernel and the one is_kernel_available asks."""
+    return _importable("scaled_upper_triang_masked_softmax_cuda") and _importable("scaled_masked_softmax_cuda")
+
+
+def rope_kernel_present() -> bool:
+    """Transformer Engine's fused RoPE, as megatron-core found it at import."""
+    from megatron.core.models.common.embeddings import rope_utils
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
 def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     """Patch megatron-core so this process runs what a GPU runs for `cfg`'s flags (estimator.formulas.kernels);
     returns the kernel switches in effect (recorded in the trace header). `tconfig` gets the fusion flags the
@@ -376,16 +381,14 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     k = kernel_switches(cfg)
     if k["dropout_mask"] == "byte" and not on_gpu:
         torch.nn.functional.dropout = _byte_mask_dropout(torch.nn.functional.dropout)
-    if k["fuse_softmax"] and not (on_gpu and _importable("scaled_upper_triang_masked_softmax_cuda")):
+    if k["fuse_softmax"] and not (on_gpu and softmax_kernel_present()):
         _install_softmax()
     tconfig.masked_softmax_fusion = k["fuse_softmax"]
     if k["fuse_act"] and not on_gpu:          # on a GPU megatron's torch.compile'd arithmetic runs as it is
         _install_bias_activation()
     tconfig.bias_activation_fusion = k["fuse_act"]
-    if k["fuse_rope"]:
-        from megatron.core.models.common.embeddings import rope_utils
-        if not (on_gpu and rope_utils.fused_apply_rotary_pos_emb is not None):
-            _install_rope()
+    if k["fuse_rope"] and not (on_gpu and rope_kernel_present()):
+        _install_rope()
     tconfig.apply_rope_fusion = k["fuse_rope"]
     if k["spec"] == "te" and not (on_gpu and _importable("transformer_engine")):
         provider, unfused = _install_te_spec()
