@@ -69,8 +69,10 @@ def check_estimate(est, fset) -> None:
         if not (_all_good([*counts, *cats, r.peak_bytes]) and all(x.__class__ is int for x in counts)):
             _stage_failure(r, fset)
         rows = r.per_op
-        values = [row.get(q, 0.0) for op, row in rows.items() for q in QUANTITIES if not _signed(fset, op, q)]
-        signed = [row.get(q, 0.0) for op, row in rows.items() for q in QUANTITIES if _signed(fset, op, q)]
+        values, signed = [], []
+        for op, row in rows.items():
+            for q in QUANTITIES:
+                (signed if _signed(fset, op, q) else values).append(row.get(q, 0.0))
         if not (_all_good(values) and _finite(sum(signed))):
             _formula_row_failure(r, fset)
         total = sum(cats)
