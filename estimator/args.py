@@ -708,7 +708,15 @@ def _attention_kernel(cfg: TrainingConfig) -> str:
             cfg.warnings.append("--use-flash-attn has no effect with the local spec: megatron-core's local "
                                 "DotProductAttention is used")
         return "unfused"
-    # Transformer Engine: 'auto', 'flash' and 'fused' (cuDNN) keep only softmax statistics, like flash attention.
+    # Transformer Engine: 'auto', 'flash' and 'fused' (cuDNN) keep only softmax statistics, like flash attention;
+    # both kernels take only 16-bit inputs, so in fp32 'auto' falls back to TE's unfused attention.
+    if not (cfg.bf16 or cfg.fp16):
+        if cfg.attention_backend not in ("flash", "fused"):
+            return "unfused"
+        # the CPU stand-in runs it (the campaign traces flash in fp32); Transformer Engine on a GPU has no kernel
+        cfg.warnings.append(f"--attention-backend {cfg.attention_backend} without --bf16/--fp16: flash and fused "
+                            "attention take only 16-bit inputs, so a GPU run may find no attention backend; "
+                            "estimated with flash attention")
     return "unfused" if cfg.attention_backend == "unfused" else "flash"
 
 

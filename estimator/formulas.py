@@ -617,7 +617,9 @@ def attention_kernel(cfg: Any) -> str:
         return _get(cfg, "attention_kernel")  # estimator.args derives it with Megatron's own rules
     impl = _get(cfg, "transformer_impl", "transformer_engine")
     backend = str(_get(cfg, "attention_backend", "auto")).split(".")[-1]
-    if backend in ("unfused", "local"):
+    if backend in ("unfused", "local") or (backend == "auto" and dtype_of(cfg) == "fp32"):
+        # flash-attn and cuDNN fused attention take only 16-bit inputs: TE's 'auto' falls back to unfused (an
+        # explicit flash backend in fp32 fails on a GPU, but its CPU stand-in traces it: the campaign's fp32 flash)
         return "unfused"
     if _get(cfg, "use_flash_attn", False) or impl == "transformer_engine":
         return "flash"

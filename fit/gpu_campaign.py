@@ -242,21 +242,22 @@ def run(args) -> int:
     if args.install_only:
         return 0
     with_paths(man["paths"])
-    reserve = fit_reserve_seconds(len(configs), os.cpu_count() or 1)
+    reserve = 60.0 if args.no_fit else fit_reserve_seconds(len(configs), os.cpu_count() or 1)
     summary = trace_and_fit(args.grid, args.out, jobs=args.jobs, start_by=t0 + 60.0 * args.budget_minutes - reserve,
-                            resume=args.resume, timeout=args.timeout)
+                            resume=args.resume, timeout=args.timeout, fit=not args.no_fit)
     summary.update(gpu=gpu, install=man, budget_minutes=args.budget_minutes, seconds=round(time.time() - t0, 1))
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
     print(f"{len(summary['configs'])}/{len(configs)} configs traced ({len(summary['failures'])} failed or not "
           f"started) in {summary['seconds'] / 60:.1f} min; packed traces in {packed}; "
-          + (f"formula set {summary['formula_set']}" if summary["formula_set"] else "no formula set (fit failed)")
+          + (f"formula set {summary['formula_set']}" if summary["formula_set"] else
+             "not fitted (--no-fit)" if args.no_fit else "no formula set (fit failed)")
           + f"; summary {os.path.join(args.out, 'summary.json')}")
-    return 0 if (summary["formula_set"] and not summary["failures"]) else 1
+    return 0 if ((summary["formula_set"] or args.no_fit) and not summary["failures"]) else 1
 
 
 def trace_and_fit(grid_path: str, out: str, jobs: int, start_by: float | None = None, resume: bool = False,
-                  timeout: float = 300.0) -> dict:
+                  timeout: float = 300.0, fit: bool = True) -> dict:
     """Profile the grid into <out>/traces, pack the complete configs into <out>/packed, fit <out>/<grid name>.json
     from the packed copy. Returns the summary (per config peak and iteration times, failures, the set or None)."""
     from .campaign import run_campaign
@@ -277,7 +278,10 @@ def trace_and_fit(grid_path: str, out: str, jobs: int, start_by: float | None = 
         cmd = [sys.executable, "-m", "fit.segment_fit", *[os.path.join(packed, n) for n in names], "-o", set_path,
                "--name", name, "--jobs", str(os.cpu_count() or 1)]
         print("fitting: " + " ".join(cmd[1:]), flush=True)
-        fit_rc = subprocess.call(cmd, cwd=_repo_root())
+        if fit:
+            fit_rc = subprocess.call(cmd, cwd=_repo_root())
+        else:
+            print("not fitted (--no-fit); on any machine: " + " ".join(["python", *cmd[1:]]), flush=True)
     return {"grid": os.path.abspath(grid_path), "grid_sha256_16": grid_hash(grid_path), "jobs": jobs,
             "configs": {n: _config_summary(d) for n, d in zip(names, dirs)}, "failures": failures,
             "formula_set": os.path.abspath(set_path) if fit_rc == 0 else None, "fit_exit": fit_rc}
@@ -294,6 +298,8 @@ def main(argv=None) -> int:
                     help="no config starts after this minus a fitting reserve (default 14)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per config (default 300)")
     ap.add_argument("--resume", action="store_true", help="keep configs already traced in <out>/traces")
+    ap.add_argument("--no-fit", action="store_true", help="trace and pack only (fit the packed traces elsewhere, "
+                    "e.g. where the GPU's time is scarce); the budget then keeps one minute for packing")
     ap.add_argument("--install-only", action="store_true", help="install and probe the wheels, then stop (no GPU "
                     "needed)")
     ap.add_argument("--dry-run", action="store_true", help="print what would run; run nothing")

@@ -245,19 +245,25 @@ def run(args) -> int:
     out = args.out or os.path.join(args.campaign, "validation.json")
     work = tempfile.mkdtemp(prefix="runs_", dir=os.path.dirname(os.path.abspath(out)))
     rows = []
+
+    def write(text=None):   # after every config too, so a run cut short keeps what it measured
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump({"gpu": gpu, "install": man, "formulas": os.path.abspath(formulas), "grid": args.grid,
+                       "iterations": iterations, "peak_definition": "whole process, setup included (as Megatron-LM "
+                       "logs max allocated/reserved)", "rows": rows, "table": text, "runs": work,
+                       "complete": text is not None}, fh, indent=1)
+
     for i, c in enumerate(configs):
         print(f"[{i + 1}/{len(configs)}] {c.name}", file=sys.stderr, flush=True)
         rows.append(validate_one(c, work, formulas, iterations, not args.no_traced, args.timeout))
+        write()
     text = table(rows)
     print(text, end="")
     for r in rows:
         for key in ("estimate_error", "untraced_error", "traced_error"):
             if r.get(key):
                 print(f"{r['config']}: {key.split('_')[0]} run failed: {r[key]}")
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump({"gpu": gpu, "install": man, "formulas": os.path.abspath(formulas), "grid": args.grid,
-                   "iterations": iterations, "peak_definition": "whole process, setup included (as Megatron-LM "
-                   "logs max allocated/reserved)", "rows": rows, "table": text, "runs": work}, fh, indent=1)
+    write(text)
     print(f"results in {out} (runs and logs in {work})")
     return 0 if all(r["meas_allocated"] is not None for r in rows) else 1
 

@@ -212,14 +212,23 @@ def test_recompute_activations_means_selective():
 @pytest.mark.parametrize("flags,kernel", [
     ("--transformer-impl local", "unfused"),
     ("--transformer-impl local --use-flash-attn", "unfused"),
-    ("--use-flash-attn", "flash"),
-    ("", "flash"),
-    ("--attention-backend unfused", "unfused"),
-    ("--attention-backend fused", "flash"),
+    ("--use-flash-attn --bf16", "flash"),
+    ("--bf16", "flash"),
+    ("--fp16", "flash"),
+    ("", "unfused"),                          # fp32: TE has no flash / fused attention, 'auto' falls back
+    ("--attention-backend unfused --bf16", "unfused"),
+    ("--attention-backend fused --bf16", "flash"),
     ("--transformer-impl local --attention-backend local", "unfused"),
 ])
 def test_attention_kernel(flags, kernel):
     assert parse(flags).attention_kernel == kernel
+
+
+@pytest.mark.parametrize("backend", ["flash", "fused"])
+def test_flash_backend_in_fp32_is_flagged(backend):
+    cfg = parse(f"--attention-backend {backend}")
+    assert cfg.attention_kernel == "flash" and any("16-bit" in w for w in cfg.warnings)
+    assert not any("16-bit" in w for w in parse(f"--attention-backend {backend} --bf16").warnings)
 
 
 def test_sequence_parallel_turned_off_without_tp():

@@ -71,9 +71,10 @@ def test_select_most_specific_and_switches():
     s = F.load("modelled")
     fo = F.select(s, "layers.*.self_attention.core_attention", cfg(recompute_granularity="selective"))
     assert dict(fo.when)["recompute"] == "selective"
-    assert F.switches(cfg(transformer_impl="transformer_engine"))["attention"] == "flash"
+    assert F.switches(cfg(transformer_impl="transformer_engine", bf16=True))["attention"] == "flash"
+    assert F.switches(cfg(transformer_impl="transformer_engine"))["attention"] == "unfused"   # fp32: no flash
     assert F.switches(cfg(num_query_groups=2))["gqa"]
-    flash = cfg(transformer_impl="transformer_engine")
+    flash = cfg(transformer_impl="transformer_engine", attention_backend="flash")
     assert F.evaluate(s, "layers.*.self_attention.core_attention", flash)[0] < \
         F.evaluate(s, "layers.*.self_attention.core_attention", cfg())[0]
 

@@ -156,9 +156,12 @@ def test_kernels_follow_megatron_lm_flags():
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "2",
             "--vocab-size", "256"]
-    k = kernels(parse_args(base))
+    k = kernels(parse_args(base + ["--bf16"]))
     assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
                  "dropout_mask": "byte"}
+    # fp32: TE has no flash / fused attention for it; 'auto' runs TE's unfused attention (an fp32 softmax)
+    k = kernels(parse_args(base))
+    assert (k["spec"], k["attention"], k["fuse_softmax"]) == ("te", "unfused", False)
     k = kernels(parse_args(base + ["--transformer-impl", "local", "--bf16", "--position-embedding-type", "rope",
                                    "--disable-bias-linear"]))
     # no bias: no fused bias-gelu (Megatron-LM turns it off); unfused 16-bit attention: the fused softmax
@@ -184,7 +187,7 @@ def test_traced_te_flash_layer_keeps_no_s_squared_term(tmp_path):
                "--out", str(out), "--iterations", "2", "--", "--num-layers", "2", "--hidden-size", str(h),
                "--num-attention-heads", str(a), "--seq-length", str(s), "--max-position-embeddings", str(s),
                "--micro-batch-size", str(b), "--global-batch-size", str(b), "--vocab-size", "128",
-               "--hidden-dropout", "0", "--attention-dropout", "0"]
+               "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "flash"]
         r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         (pr,) = parse_run(str(out))

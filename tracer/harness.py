@@ -225,6 +225,8 @@ def build_model(cfg, tconfig, te: bool | None = None) -> list:
     with scopes.scope("setup:model"):
         te = _use_te(cfg) if te is None else te     # the TE spec: real, or stand-ins (tracer.standins)
         chunks = [_gpt_model(cfg, tconfig, i if vp else None, te) for i in range(vp or 1)]
+        if not on_cpu():   # as Megatron-LM's get_model: modules built on CPU (position embeddings, stand-in norms)
+            chunks = [m.cuda(torch.cuda.current_device()) for m in chunks]
         if cfg.bf16 or cfg.fp16:
             chunks = [Float16Module(tconfig, m) for m in chunks]
     ddp_config = DistributedDataParallelConfig(
