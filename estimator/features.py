@@ -30,7 +30,10 @@ def modelled(cfg) -> list[str]:
     if cfg.quick_geglu:
         out.append("--quick-geglu: activations from the swiglu formulas")
     if cfg.cross_entropy_loss_fusion:
-        out.append("--cross-entropy-loss-fusion: estimated as the unfused loss (errs high)")
+        out.append("--cross-entropy-loss-fusion (native): one more fp32 copy of the logits in the loss's forward "
+                   "(as H100 traces show)" if cfg.cross_entropy_fusion_impl != "te" else
+                   "--cross-entropy-loss-fusion with --cross-entropy-fusion-impl te: estimated as the native "
+                   "fused loss (TE's kernel not measured)")
     if fused_softmax.fallback_fp32(cfg):
         out.append("attention softmax in fp32 without the fused kernel: fp32 probabilities per layer (modelled)")
     for flag in cfg.conservative_args:

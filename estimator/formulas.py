@@ -31,7 +31,7 @@ INDICATORS = {
     "x_moe": ("moe", True), "x_moecomm": ("moe_comm", True), "x_dropout": ("dropout", True), "x_gqa": ("gqa", True),
     "x_tp": ("tp", True), "x_sm32": ("softmax_fp32", True), "x_bias": ("bias", True), "x_tied": ("tied", True),
     "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
-    "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"),
+    "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"), "x_fce": ("fuse_ce", "native"),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -65,6 +65,9 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "fuse_softmax": (True, False),
     "fuse_rope": (True, False),
     "dropout_mask": ("byte", "dtype"),
+    # --cross-entropy-loss-fusion and its --cross-entropy-fusion-impl: the native one's scripted kernels hold one
+    # more fp32 copy of the logits in forward on a GPU (measured on H100), TE's is its own kernel
+    "fuse_ce": ("none", "native", "te"),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -666,6 +669,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "bias": bool(_get(cfg, "add_bias_linear", True)),
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False),
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")},
+        "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
+                    if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
     }
 
 

@@ -95,9 +95,11 @@ _IN_EXPERT = _ONE_EXPERT + ["s*b*k*ep*etp/st*E", "fe/etp", "h", "1"]
 _LAYER = _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS
 FAMILIES: dict[str, list[str]] = {
     "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "1"],
-    "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "1"],
+    # s*b/st: Transformer Engine's LayerNormLinear (the TE spec's linear_qkv and linear_fc1) keeps its fused
+    # norm's fp32 statistics per local token
+    "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*b/st", "1"],
     "linear_proj": _STREAM + ["s*b*a*d/t", "1"],
-    "linear_fc1": _STREAM + ["s*b*f/t", "1"],
+    "linear_fc1": _STREAM + ["s*b*f/t", "s*b/st", "1"],
     "linear_fc2": _STREAM + ["s*b*f/t", "1"],
     "mlp": ["s*b*f/t", "s*b*h/st", "s*b*h", "1"] + _MOE,
     "layernorm": ["s*b*h/st", "s*b/st", "s*b*a*d/t", "s*b*g*d/t", "s*b*a/t", "s*b*g/t", "1"],

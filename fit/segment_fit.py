@@ -31,7 +31,7 @@ from .switch_terms import measured_on, merge
 # The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
-                                    "dropout_mask")
+                                    "dropout_mask", "fuse_ce")
 STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp", "recompute")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
@@ -102,6 +102,7 @@ def _fit_part(label: str, q: str, runs: list, cache: dict, robust: bool = False)
 
 
 PAIR_LIMIT = 24
+SPLIT_LIMIT = {1: None, 2: PAIR_LIMIT, 3: 40}   # combinations tried per size (in ORDER: the likeliest first)
 SLACK_BYTES = 64   # a few scalars (a 4-byte tensor freed by the garbage collector in one run, not in another)
 
 
@@ -213,10 +214,23 @@ def _approximate(label: str, q: str, runs: list, reason: str):
     return fit
 
 
+def _split_fit(label: str, q: str, runs: list, cache: dict):
+    """A part's fit while splitting: exact (robust), else for a transient its upper bound, so that a split which
+    leaves a part with only a bound (a maximum over allocation patterns, e.g. one for b = 1 and another for b > 1)
+    still counts as covering it."""
+    fit = _fit_part(label, q, runs, cache, robust=True)
+    if isinstance(fit, str) and q.endswith("_peak"):
+        key = (label, q, "bound", tuple(sorted(id(r) for r in runs)))
+        if key not in cache:
+            cache[key] = _bound(label, q, runs, fit)
+        fit = cache[key]
+    return fit
+
+
 def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
     """(keys, {part: Fit or reason}) for one quantity of one label: pooled over all runs; where some part has no
-    formula, split by the switch (or, where no switch alone helps, the pair of switches among the first
-    PAIR_LIMIT) that leaves the fewest runs undetermined, and so on. Each quantity is split on its own: a label's
+    formula, split by the switch (or, where no switch alone helps, the pair, then the triple of switches, among
+    the first SPLIT_LIMIT) that leaves the fewest runs undetermined, and so on. Each quantity is split on its own: a label's
     transient may depend on a switch that its saved bytes do not."""
     keys: tuple = ()
     fits = {k: _fit_part(label, q, rs, cache, robust=True) for k, rs in _parts(runs, keys).items()}
@@ -244,14 +258,19 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
     switches = list(varying)
     while any(isinstance(v, str) for v in fits.values()) and switches:
         best = None
-        pairs = [(a, b) for i, a in enumerate(switches) for b in switches[i + 1:]][:PAIR_LIMIT]
         now = _covered(fits, runs, keys)
-        for ks in [(k,) for k in switches] + pairs:
-            if len(ks) == 2 and best is not None and _covered(best[1], runs, keys + best[0]) > now:
+        # Singles, then pairs, then triples (an op whose bytes change with three switches together, e.g. the
+        # layer spec, the norm type and recompute), each tried only where the smaller splits gain nothing.
+        for n in (1, 2, 3):
+            if best is not None and _covered(best[1], runs, keys + best[0]) > now:
                 break
-            trial = {part: _fit_part(label, q, rs, cache, robust=True) for part, rs in _parts(runs, keys + ks).items()}
-            if best is None or _covered(trial, runs, keys + ks) > _covered(best[1], runs, keys + best[0]):
-                best = (ks, trial)
+            for ks in list(itertools.combinations(switches, n))[:SPLIT_LIMIT[n]]:
+                parts = _parts(runs, keys + ks)
+                if n > 1 and len(parts) <= len(_parts(runs, keys)):
+                    continue    # the extra switches do not divide these runs
+                trial = {part: _split_fit(label, q, rs, cache) for part, rs in parts.items()}
+                if best is None or _covered(trial, runs, keys + ks) > _covered(best[1], runs, keys + best[0]):
+                    best = (ks, trial)
         if best is None or _covered(best[1], runs, keys + best[0]) <= now:
             break
         keys += best[0]

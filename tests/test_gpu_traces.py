@@ -65,3 +65,19 @@ def test_unknown_config_is_one_line_and_exit_2():
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_traces.py"), "--only", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "nope" in res.stderr
+
+
+@pytest.mark.megatron
+def test_cpu_twin_of_an_h100_trace_matches_it(tmp_path):
+    """benchmarks/standin_fidelity.py: the same flags profiled here on the CPU stand-ins peak where the H100 run
+    did, less its two cuBLAS workspaces (the only GPU-only memory in such a trace), within 0.1%."""
+    out = tmp_path / "rows.json"
+    name = "gpt_base_s768_b3_h512_a8"     # TE spec stand-ins, flash attention, fused bias-gelu, bf16
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "standin_fidelity.py"), "--only", name,
+                          "--out", str(tmp_path / "runs"), "--json", str(out)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (row,) = json.load(open(out))["rows"]
+    assert row["kernels_agree"] and row["gpu_kernels"]["attention"] == "flash"
+    assert row["gpu_workspace_bytes"] == 2 * 32 * 2 ** 20
+    assert abs(row["error_percent"]) < 0.1 and row["gpu_phase"] == row["cpu_phase"]
