@@ -39,6 +39,14 @@ def configs(root: str) -> list[str]:
     return sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "rank0.json")))
 
 
+def bad_selection(root: str, only: list[str] | None) -> str | None:
+    """Why DIR / --only cannot be used (one line), or None."""
+    if not os.path.isdir(root) or not configs(root):
+        return f"{root}: no packed traces (rank0.json) in it"
+    missing = sorted(set(only or ()) - set(configs(root)))
+    return f"--only: not in {root}: {', '.join(missing)}" if missing else None
+
+
 def campaign_had_te(root: str) -> bool:
     try:
         with open(os.path.join(root, "summary.json"), encoding="utf-8") as fh:
@@ -129,12 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="CONFIG", help="only these configs (e.g. those a fit held out)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
-    if not os.path.isdir(args.dir) or not configs(args.dir):
-        print(f"benchmarks/gpu_traces.py: {args.dir}: no packed traces (rank0.json) in it", file=sys.stderr)
-        return 2
-    missing = sorted(set(args.only or ()) - set(configs(args.dir)))
-    if missing:
-        print(f"benchmarks/gpu_traces.py: --only: not in {args.dir}: {', '.join(missing)}", file=sys.stderr)
+    problem = bad_selection(args.dir, args.only)
+    if problem:
+        print(f"benchmarks/gpu_traces.py: {problem}", file=sys.stderr)
         return 2
     rows = run(args.dir, args.formulas, args.only)
     print("\n".join(report(rows, args.formulas)))

@@ -27,7 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.accuracy import BenchError, cached, profile   # noqa: E402
-from benchmarks.gpu_traces import DEFAULT_DIR, configs      # noqa: E402
+from benchmarks.gpu_traces import DEFAULT_DIR, bad_selection, configs   # noqa: E402
 
 DEFAULT_OUT = os.path.join(ROOT, "runs", "standin_fidelity")
 MiB = float(1 << 20)
@@ -115,12 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per CPU run (default 900)")
     args = ap.parse_args(argv)
-    if not os.path.isdir(args.dir) or not configs(args.dir):
-        print(f"benchmarks/standin_fidelity.py: {args.dir}: no packed traces (rank0.json) in it", file=sys.stderr)
-        return 2
-    missing = sorted(set(args.only or ()) - set(configs(args.dir)))
-    if missing:
-        print(f"benchmarks/standin_fidelity.py: --only: not in {args.dir}: {', '.join(missing)}", file=sys.stderr)
+    problem = bad_selection(args.dir, args.only)
+    if problem:
+        print(f"benchmarks/standin_fidelity.py: {problem}", file=sys.stderr)
         return 2
     rows = run(args.dir, args.out, args.only, args.timeout)
     print(summary(rows))
