@@ -68,7 +68,7 @@ class ComposedCache:
         if self.untraced:
             share = 0.0
         return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced,
-                "standins": standin_families(self.sw, self.untraced)}
+                "standins": [] if self.fset.measured_on_gpu else standin_families(self.sw, self.untraced)}
 
     # ---- values
     def values(self, label: str, sw: dict, tokens: float = 1.0) -> tuple:
@@ -231,6 +231,7 @@ def untraced_features(cfg, sw: dict, fset) -> list:
         # A set fitted before the kernel switches existed saw only the CPU kernels.
         for k, v in F.CPU_KERNELS.items():
             seen_values.setdefault(k, {v})
+        seen_values.setdefault("fuse_ce", {"none"})   # a set fitted before this switch existed
     for k, v in sw.items():
         if k == "dropout_mask" and not sw.get("dropout"):
             continue    # no dropout, no mask

@@ -186,6 +186,12 @@ class FormulaSet:
         return bool(self.segments)
 
     @property
+    def measured_on_gpu(self) -> bool:
+        """Fitted from GPU traces only (provenance `backends`, written by fit.segment_fit): its kernel families
+        were measured on the GPU itself, not on CPU stand-ins."""
+        return self.provenance.get("backends") == ["cuda"]
+
+    @property
     def ops(self) -> List[str]:
         return list(self._by_op)
 

@@ -50,6 +50,7 @@ class Run:
         self.samples = run_samples(path, ranks)
         self.children = op_children(ranks[0])
         self.peaks = [int(r.peak_bytes) for r in ranks]
+        self.backend = ranks[0].header.get("backend", "cpu")   # 'cuda' for a GPU trace
 
 
 def candidates(label: str) -> list:
@@ -434,7 +435,8 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
             print(f"  [{i + 1}/{len(labels)}] {label}", file=sys.stderr, flush=True)
     doc = {"format": FORMAT, "version": 2, "name": name, "kind": "fitted", "composed": True,
            "description": description or "Composed per-op segment formulas fitted from CPU traces.",
-           "provenance": {"traces": [{"path": r.path, "config": r.config, "peaks": r.peaks} for r in runs]},
+           "provenance": {"traces": [{"path": r.path, "config": r.config, "peaks": r.peaks} for r in runs],
+                          "backends": sorted({r.backend for r in runs})},
            "formulas": [],
            "segments": segments, "structure": fit_structure(runs)}
     return doc

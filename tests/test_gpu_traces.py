@@ -81,3 +81,24 @@ def test_cpu_twin_of_an_h100_trace_matches_it(tmp_path):
     assert row["kernels_agree"] and row["gpu_kernels"]["attention"] == "flash"
     assert row["gpu_workspace_bytes"] == 2 * 32 * 2 ** 20
     assert abs(row["error_percent"]) < 0.1 and row["gpu_phase"] == row["cpu_phase"]
+
+
+def test_gpu_set_is_fitted_from_the_committed_h100_traces_and_says_so():
+    """fit/sets/gpu_h100.json: every trace it names is committed and is a GPU trace; a config that uses the TE
+    spec and flash attention reports no CPU stand-ins with it (it does with the CPU-fitted set)."""
+    import shlex
+    from estimator import formulas as F
+    from estimator import report as R
+    from estimator.cli import build_report
+    fset = F.load("gpu_h100")
+    assert fset.measured_on_gpu and not F.load("cpu_compose").measured_on_gpu
+    for t in fset.provenance["traces"]:
+        with open(os.path.join(ROOT, t["path"], "rank0.json")) as fh:
+            assert json.load(fh)["backend"] == "cuda"
+    argv = shlex.split("--nproc_per_node 1 --num-layers 2 --hidden-size 1024 --num-attention-heads 16 --seq-length "
+                       "1024 --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 2 "
+                       "--vocab-size 32000 --bf16")
+    gpu = R.to_json(build_report(argv + ["--formulas", "gpu_h100"]))["formula_set"]["coverage"]
+    cpu = R.to_json(build_report(argv + ["--formulas", "cpu_compose"]))["formula_set"]["coverage"]
+    assert gpu["standins"] == [] and gpu["measured_share"] > 0.9
+    assert cpu["measured_share"] < gpu["measured_share"]
