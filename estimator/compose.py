@@ -237,6 +237,7 @@ def untraced_features(cfg, sw: dict, fset) -> list:
             continue    # no dropout, no mask
         if k in seen_values and v not in seen_values[k]:
             out.append(f"{k}={v}")
+    out += unseen_pairs(sw, _traced_switches(fset), {k for k in STRUCTURE_SWITCHES if k in seen_values})
     g = (lambda n, d=None: cfg.get(n, d) if isinstance(cfg, dict) else getattr(cfg, n, d))
     if g("qk_layernorm", False):
         out.append("qk_layernorm")
@@ -244,6 +245,38 @@ def untraced_features(cfg, sw: dict, fset) -> list:
         out.append("context_parallel")
     if g("moe_shared_expert_intermediate_size", None):
         out.append("shared_experts")
+    return out
+
+
+# The switches that change which ops a layer has (the op structure the fit records): a combination of their values
+# that no run had is a different layer, not a composition of measured parts.
+STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
+                      "recompute")
+
+
+def _traced_switches(fset) -> list:
+    """The switches of every run the set was fitted on (its provenance), computed once per set."""
+    hit = fset._cache.get("traced switches")
+    if hit is None:
+        hit = fset._cache["traced switches"] = [F.switches(t["config"]) for t in fset.provenance.get("traces", [])
+                                                if isinstance(t, dict) and isinstance(t.get("config"), dict)]
+    return hit
+
+
+def unseen_pairs(sw: dict, traced: list, keys: set) -> list:
+    """Pairs of the config's switch values that the traced runs only ever saw confounded: every run with one
+    value had the same other value of the second switch, and the reverse (the H100 campaign ran the TE spec only
+    with flash attention, so `spec=te` and `attention=flash` cannot be told apart there). Such a config is not
+    composed from measured parts, whatever the single values say."""
+    out = []
+    names = sorted(k for k in keys if k in sw)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            va, vb = sw[a], sw[b]
+            with_a = {t.get(b) for t in traced if t.get(a) == va}
+            with_b = {t.get(a) for t in traced if t.get(b) == vb}
+            if with_a and with_b and vb not in with_a and len(with_a) == 1 and len(with_b) == 1:
+                out.append(f"{a}={va} with {b}={vb}")
     return out
 
 

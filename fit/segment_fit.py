@@ -32,7 +32,7 @@ from .switch_terms import measured_on, merge
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
                                     "dropout_mask", "fuse_ce")
-STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp", "recompute")
+from estimator.compose import STRUCTURE_SWITCHES   # noqa: E402 (the estimator checks combinations of the same)
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
