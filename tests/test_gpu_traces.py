@@ -102,3 +102,18 @@ def test_gpu_set_is_fitted_from_the_committed_h100_traces_and_says_so():
     cpu = R.to_json(build_report(argv + ["--formulas", "cpu_compose"]))["formula_set"]["coverage"]
     assert gpu["standins"] == [] and gpu["measured_share"] > 0.9
     assert cpu["measured_share"] < gpu["measured_share"]
+
+
+def test_a_combination_the_gpu_runs_only_saw_confounded_is_reported_not_traced():
+    """The H100 campaign ran the TE spec only with flash attention: TE's unfused backend is not composed from its
+    parts as if measured (the report names the pair and gives no measured share); TE with flash is."""
+    import shlex
+    from estimator import report as R
+    from estimator.cli import build_report
+    argv = shlex.split("--nproc_per_node 1 --num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+                       "--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 4 --vocab-size 32000 "
+                       "--bf16 --formulas gpu_h100")
+    unfused = R.to_json(build_report(argv + ["--attention-backend", "unfused"]))["formula_set"]["coverage"]
+    flash = R.to_json(build_report(argv))["formula_set"]["coverage"]
+    assert "attention=unfused with spec=te" in unfused["untraced"] and unfused["measured_share"] == 0.0
+    assert not any(" with " in u for u in flash["untraced"]) and flash["measured_share"] > 0.9
