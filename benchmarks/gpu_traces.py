@@ -67,13 +67,11 @@ def predicted_peak(argv: list[str], kernels: dict, formulas: str, te: bool) -> t
     return doc["ranks"][0]["peak_bytes"] - out, out
 
 
-def saved_bytes(run_dir: str, argv: list[str], kernels: dict, formulas: str) -> tuple[int, float]:
+def saved_bytes(pr, argv: list[str], kernels: dict, formulas: str) -> tuple[int, float]:
     """(measured, predicted) activation bytes saved in microbatch 0 of the last iteration, over the ops the
-    parser attributes."""
+    parser attributes (`pr`: the run's tracer.parse.ParsedRank)."""
     from estimator import formulas as F
     from estimator.args import parse_args
-    from tracer.parse import parse_run
-    (pr,) = parse_run(run_dir)
     cfg = parse_args(["--nproc_per_node", "1"] + argv)
     cfg.kernels = dict(kernels)
     fset = F.load(formulas)
@@ -89,6 +87,7 @@ def saved_bytes(run_dir: str, argv: list[str], kernels: dict, formulas: str) -> 
 
 
 def run(root: str, sets: list[str], only: list[str] | None = None) -> list[dict]:
+    from tracer.parse import parse_run
     te = campaign_had_te(root)
     rows = []
     for name in (only or configs(root)):
@@ -97,11 +96,12 @@ def run(root: str, sets: list[str], only: list[str] | None = None) -> list[dict]
             argv = json.load(fh)["argv"]
         with open(os.path.join(d, "rank0.json"), encoding="utf-8") as fh:
             head = json.load(fh)
+        (pr,) = parse_run(d)    # once per config, for every set
         row = {"config": name, "device": head.get("device"), "kernels": head.get("kernels"),
                "traced_peak_bytes": head["allocator_peak_bytes"], "sets": {}}
         for fs in sets:
             peak, dropped = predicted_peak(argv, head["kernels"], fs, te)
-            ms, ps = saved_bytes(d, argv, head["kernels"], fs)
+            ms, ps = saved_bytes(pr, argv, head["kernels"], fs)
             row["sets"][fs] = {"predicted_peak_bytes": peak, "gpu_runtime_left_out_bytes": dropped,
                                "peak_error_percent": 100.0 * (peak / head["allocator_peak_bytes"] - 1.0),
                                "saved_measured_bytes": ms, "saved_predicted_bytes": int(round(ps)),

@@ -18,6 +18,7 @@ import itertools
 import sys
 from collections import Counter
 
+from estimator.compose import STRUCTURE_SWITCHES   # the estimator checks combinations of the same switches
 from estimator.formulas import switches as config_switches
 
 from . import basis
@@ -32,7 +33,6 @@ from .switch_terms import measured_on, merge
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
                                     "dropout_mask", "fuse_ce")
-from estimator.compose import STRUCTURE_SWITCHES   # noqa: E402 (the estimator checks combinations of the same)
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
@@ -253,7 +253,7 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
     if q.endswith("_peak") and isinstance(fits[()], str):
         # A transient that is a maximum over allocation patterns has no exact formula, split or not: bounded
         # on all runs within PEAK_BOUND of each run's peak, it needs no split by switches.
-        bound = _bound(label, q, runs, fits[()])
+        bound = _split_fit(label, q, runs, cache)
         if not isinstance(bound, str):
             return keys, {(): bound}
     switches = list(varying)
@@ -278,9 +278,7 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
         for k in best[0]:
             switches.remove(k)
         fits = best[1]
-    parts = _parts(runs, keys)
-    if q.endswith("_peak"):
-        fits = {part: _bound(label, q, parts[part], v) if isinstance(v, str) else v for part, v in fits.items()}
+    parts = _parts(runs, keys)   # a transient's parts were bounded where they could be (_split_fit)
     fits = {part: _approximate(label, q, parts[part], v) if isinstance(v, str) else v for part, v in fits.items()}
     # In ORDER, so quantities split by the same switches share entries.
     order = tuple(sorted(keys, key=ORDER.index))
