@@ -29,14 +29,14 @@ CASES = {"base": [], "rmsnorm": ["--normalization", "RMSNorm"], "swiglu": ["--sw
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
     base = tmp_path_factory.mktemp("composition")
-    procs = {name: subprocess.Popen(
-        [sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--nproc", "1", "--out", str(base / name),
-         "--iterations", "2", "--", *BASE, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for name, extra in CASES.items()}
     out = {}
-    for name, p in procs.items():
-        text, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, text[-3000:]
+    # One run at a time: three at once on CI's two cores moved a 512-byte free into a neighbouring segment of one
+    # layer now and then (a helper thread's timing; not yet traced to its tensor).
+    for name, extra in CASES.items():
+        p = subprocess.run([sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--nproc", "1", "--out",
+                            str(base / name), "--iterations", "2", "--", *BASE, *extra], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
         out[name] = run_samples(str(base / name))
     return out
 
