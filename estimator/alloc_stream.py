@@ -117,7 +117,8 @@ class _Stack:
             self.st.free(self.items.pop()[0])
 
 
-# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept) ------
+# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept, freed) --
+# (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward: compose.py)
 def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -> list:
     """A chunk's forward as segments (forward delta / peak, backward delta / peak above the level)."""
     h = cache.hidden
@@ -134,7 +135,7 @@ def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -
                 prog += rows
                 continue
             held = k[1]
-            body = [("ckpt", rows, h)] if k[0] == "ckpt" else rows
+            body = [("ckpt", rows, h, h)] if k[0] == "ckpt" else rows
             # The backward holds `held` bytes from before the unit while its ops run (LayerCache.held_bwd).
             prog += [("seg", 0.0, 0.0, -held, 0.0)] + body + [("seg", 0.0, 0.0, held, 0.0)]
             if len(k) == 3:
@@ -196,7 +197,7 @@ def _composed(items: list, h: float, cache) -> list:
         if it[0] == "run":
             out += _composed(it[1], h, cache)
         elif it[0] == "ckpt":
-            out.append(("ckpt", _composed(it[1], h, cache), h))
+            out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3]))
         else:
             fd, fp, bd, bp = it[1][:4]
             parts = cache.parts(it[1])
@@ -237,7 +238,7 @@ def _backward(prog: list, stack: _Stack) -> None:
             _forward(it[1], inner)
             _backward(it[1], inner)
             inner.clear()
-            stack.pop(it[2])
+            stack.pop(it[3])
 
 
 # ---- static memory ---------------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ quantities. Replaying the deltas and peaks gives the chunk's saved bytes and its
 way the traced runs reached theirs; each segment's formula depends only on the switches that change it, so a config
 whose combination of switches was never traced is composed from segments measured in other combinations.
 
+Recompute is composed too, never fitted per mode: a full-recompute group and, under selective recompute, core
+attention (megatron-core's default `recompute_modules`) are checkpoints over the plain segments, which keep only
+their output across the forward and hold their inputs until their backward, where they re-run their forward.
+
 Where a label has no formula measured for the config's switch values it is *extrapolated*: each quantity takes the
 largest value among the label's determined formulas nearest the config's switches (fewest differing `when` values),
 and the report says which labels and what share of the saved bytes that is (`coverage`).
@@ -24,6 +28,9 @@ FIRST_ONLY = ("data.tokens", "embedding")
 LAST_ONLY = ("data.labels", "output_layer", "loss", "final_layernorm")
 LAYER = "layers.*"
 EXPERT = ".local_experts.*"
+# Selective recompute (recompute_modules ["core_attn"], megatron-core's default) checkpoints this op: it is composed
+# like a full-recompute group, from the plain segments, keeping only its output (the context) across the forward.
+SELECTIVE_OP = "layers.*.self_attention.core_attention"
 
 
 def own_label(op: str, child: str) -> str:
@@ -37,12 +44,15 @@ class ComposedCache:
     def __init__(self, fset: F.FormulaSet, cfg):
         self.fset, self.cfg = fset, cfg
         self.env = F.variables(cfg)
-        # Full recompute is composed from the plain layer's segments (checkpoint groups in `sequence`).
+        # Full and selective recompute are composed from the plain layer's segments (checkpoint groups in
+        # `sequence`), so a layer's segments are always those measured without recompute.
         self.sw = dict(F.switches(cfg, self.env))
-        if self.sw["recompute"] == "full":
-            self.sw["recompute"] = "none"
+        self.selective = self.sw["recompute"] == "selective"
+        self.sw["recompute"] = "none"
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st
+        # core attention's output under TP: s x b x (a/t) x d (not sequence-parallel: attention sees the whole s)
+        self.context = e * s * b * self.env["a"] * self.env["d"] / self.env["t"]
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden
@@ -57,7 +67,7 @@ class ComposedCache:
         self.saved_measured = 0.0
         self.saved_extrapolated = 0.0
         self.extrapolated: set = set()
-        self.untraced = untraced_features(cfg, self.sw, fset)   # after mapping full recompute to its plain layer
+        self.untraced = untraced_features(cfg, self.sw, fset)   # after mapping recompute to its plain layer
 
     def fallbacks(self) -> set:
         return set()   # a composed set never takes a number from the modelled set
@@ -137,8 +147,9 @@ class ComposedCache:
 
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
-        """The chunk's forward as items: (label, values, op, instance) for a segment, or ("ckpt", [items]) for a
-        full-recompute checkpoint group."""
+        """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items]) for a layer,
+        or ("ckpt", [items], kept, freed) for a checkpoint (a full-recompute group, or core attention under
+        selective recompute) keeping `kept` bytes across the forward and freeing `freed` after its backward."""
         from .activations import recomputed_groups
         out: list = []
         root_kids = [c for c in self.children(ROOT, self.sw)
@@ -154,14 +165,13 @@ class ComposedCache:
 
     def _decoder(self, moe_flags, last: bool, groups, out: list) -> None:
         self._own("decoder", None, self.sw, out)
-        rec = self.sw["recompute"] if self.sw["recompute"] == "selective" else "none"
         for lo, hi, ckpt in groups:
             items: list = []
             for i in range(lo, hi):
-                sw = dict(self.sw, moe=bool(moe_flags[i]), recompute=rec)
+                sw = dict(self.sw, moe=bool(moe_flags[i]))
                 self._expand(LAYER, i, sw, items)
                 self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder")
-            out.append(("ckpt", items) if ckpt else ("run", items))
+            out.append(("ckpt", items, self.hidden, self.hidden) if ckpt else ("run", items))
         if last:
             for c in self.children("decoder", self.sw):
                 if c != LAYER:
@@ -170,6 +180,7 @@ class ComposedCache:
 
     def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None) -> None:
         self._own(op, layer, sw, out, expert=expert)
+        ckpt = None
         for c in self.children(op, sw):
             # A SequentialMLP runs its local experts one after another, each on its share of the tokens; under a
             # routing bound the busiest runs last (on top of the others' saved bytes, first in backward).
@@ -178,8 +189,19 @@ class ComposedCache:
                 share = expert
                 if c.endswith(EXPERT) and sw["moe"] and self.routing.scales:
                     share = self.routing.busiest if i == n - 1 else self.routing.rest
-                self._expand(c, layer, sw, out, share)
+                if c == SELECTIVE_OP and self.selective:
+                    group: list = []
+                    self._expand(c, layer, sw, group, share)
+                    ckpt = ["ckpt", group, self.context, self.context]
+                    out.append(ckpt)
+                else:
+                    self._expand(c, layer, sw, out, share)
+                start = len(out)
                 self._own(own_label(op, c), layer, sw, out, op=op, expert=expert)
+                if ckpt is not None:
+                    _defer_frees(out, start, ckpt)
+        if ckpt is not None:
+            out[out.index(ckpt)] = tuple(ckpt)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
              expert: float | None = None) -> None:
@@ -190,6 +212,17 @@ class ComposedCache:
             # one local expert's segments take its share; the rest of the expert side the rank's
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
         out.append((label, self.values(label, sw, tokens), op or label, layer))
+
+
+def _defer_frees(out: list, start: int, ckpt: list) -> None:
+    """The checkpoint saves its inputs until its backward: what the parent's own code frees after it (without
+    recompute, the inputs nothing else saved, released when the parent returns) is held by the checkpoint instead
+    and freed at the end of its backward (ckpt[3]: the bytes that frees)."""
+    for j in range(start, len(out)):
+        label, (fd, fp, bd, bp, measured), op, layer = out[j]
+        if fd < 0:
+            ckpt[3] -= fd
+            out[j] = (label, (0.0, fp, bd, bp, measured), op, layer)
 
 
 def term_tensors(terms, env) -> list:
@@ -280,11 +313,11 @@ def unseen_pairs(sw: dict, traced: list, keys: set) -> list:
     return out
 
 
-def _replay_forward(items: list, level: float, peak: float, rows: list, hidden: float) -> tuple:
+def _replay_forward(items: list, level: float, peak: float, rows: list) -> tuple:
     for it in items:
         if it[0] in ("run", "ckpt"):
-            level, peak = _replay_forward(it[1], level, peak, rows, hidden) if it[0] == "run" else _ckpt_forward(
-                it[1], level, peak, rows, hidden)
+            level, peak = _replay_forward(it[1], level, peak, rows) if it[0] == "run" else _ckpt_forward(
+                it[1], level, peak, rows, it[2])
             continue
         label, (fd, fp, _, _, _), op, layer = it
         peak = max(peak, level + fp)
@@ -293,22 +326,23 @@ def _replay_forward(items: list, level: float, peak: float, rows: list, hidden: 
     return level, peak
 
 
-def _ckpt_forward(items: list, level: float, peak: float, rows: list, hidden: float) -> tuple:
-    """A checkpointed group's forward keeps only its output; its transient is at most its plain forward's."""
-    _, top = _replay_forward(items, level, peak, rows, hidden)
-    return level + hidden, max(peak, top)
+def _ckpt_forward(items: list, level: float, peak: float, rows: list, kept: float) -> tuple:
+    """A checkpointed group's forward keeps only its output (`kept` bytes); its transient is at most its plain
+    forward's."""
+    _, top = _replay_forward(items, level, peak, rows)
+    return level + kept, max(peak, top)
 
 
-def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hidden: float) -> tuple:
+def _replay_backward(items: list, level: float, peak: float, bwd_rows: list) -> tuple:
     for it in reversed(items):
         if it[0] == "run":
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows, hidden)
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
             continue
         if it[0] == "ckpt":
             # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it.
-            level, peak = _replay_forward(it[1], level, peak, [], hidden)
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows, hidden)
-            level -= hidden
+            level, peak = _replay_forward(it[1], level, peak, [])
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
+            level -= it[3]
             continue
         label, (_, _, bd, bp, _), op, layer = it
         peak = max(peak, level + bp)
@@ -341,9 +375,9 @@ def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tupl
     """(saved, fwd peak above entry, bwd peak above the all-saved level, per-op rows) of a chunk's own ops."""
     items = cache.sequence(moe_flags, first, last)
     rows: list = []
-    saved, fwd = _replay_forward(items, 0.0, 0.0, rows, cache.hidden)
+    saved, fwd = _replay_forward(items, 0.0, 0.0, rows)
     bwd_rows: list = []
-    _, bwd = _replay_backward(items, saved, saved, bwd_rows, cache.hidden)
+    _, bwd = _replay_backward(items, saved, saved, bwd_rows)
     _account(cache, items)
     return saved, max(fwd, saved), max(bwd - saved, 0.0), _op_rows(rows, bwd_rows)
 

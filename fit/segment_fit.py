@@ -415,7 +415,9 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
              accept_damaged: bool = False) -> dict:
     from estimator.formulas import FORMAT
     runs = [Run(p, accept_damaged) for p in expand_dirs(paths)]
-    runs = [r for r in runs if r.switches.get("recompute") != "full"]   # composed from the plain layer instead
+    # Full and selective recompute are composed from the plain layer's segments (estimator/compose.py): a run with
+    # either is a check of that composition, not data for the fit.
+    runs = [r for r in runs if r.switches.get("recompute") in (None, "none")]
     if not runs:
         raise DatasetError("no runs to fit")
     labels = sorted({lb for r in runs for lb in r.samples})

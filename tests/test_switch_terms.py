@@ -60,11 +60,11 @@ def _set(entry):
 
 def test_estimator_evaluates_indicators_and_tells_measured_parts_from_predicted_ones():
     entry = {"label": "layers.*.self_attention@core_attention", "per": "layer", "when": {},
-             "seen": {"recompute": ["none", "selective"], "dropout": [False, True]},
+             "seen": {"position": ["learned_absolute", "rope"], "dropout": [False, True]},
              "fwd_delta": [{"coef": 2, "vars": {"s": 1, "b": 1, "h": 1, "e": 1}},
-                           {"coef": -1, "vars": {"s": 1, "b": 1, "h": 1, "e": 1, "x_sel": 1}}],
-             "measured": {"fwd_delta": [{"recompute": "none", "dropout": False},
-                                        {"recompute": "selective", "dropout": False}]}}
+                           {"coef": -1, "vars": {"s": 1, "b": 1, "h": 1, "e": 1, "x_rope": 1}}],
+             "measured": {"fwd_delta": [{"position": "learned_absolute", "dropout": False},
+                                        {"position": "rope", "dropout": False}]}}
     fset = _set(entry)
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--vocab-size", "128",
@@ -73,9 +73,9 @@ def test_estimator_evaluates_indicators_and_tells_measured_parts_from_predicted_
     plain = ComposedCache(fset, parse_args(base))
     fd, fp, bd, bp, measured = plain.values(label, plain.sw)
     assert (fd, fp, bd, bp, measured) == (2 * 32 * 2 * 64 * 4, 0.0, 0.0, 0.0, True)   # quantities not given: 0
-    sel = ComposedCache(fset, parse_args(base + ["--recompute-activations"]))
-    assert sel.values(label, sel.sw)[0] == 32 * 2 * 64 * 4 and sel.values(label, sel.sw)[4]
-    both = ComposedCache(fset, parse_args(base + ["--recompute-activations", "--hidden-dropout", "0.1"]))
+    rope = ComposedCache(fset, parse_args(base + ["--position-embedding-type", "rope"]))
+    assert rope.values(label, rope.sw)[0] == 32 * 2 * 64 * 4 and rope.values(label, rope.sw)[4]
+    both = ComposedCache(fset, parse_args(base + ["--position-embedding-type", "rope", "--hidden-dropout", "0.1"]))
     fd, *_, measured = both.values(label, both.sw)
     assert fd == 32 * 2 * 64 * 4 and not measured     # predicted from the parts around it
 
