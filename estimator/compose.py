@@ -180,7 +180,7 @@ class ComposedCache:
 
     def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None) -> None:
         self._own(op, layer, sw, out, expert=expert)
-        ckpt = None
+        ckpt_at, deferred = None, 0.0     # where core attention's checkpoint sits in `out`, what it holds back
         for c in self.children(op, sw):
             # A SequentialMLP runs its local experts one after another, each on its share of the tokens; under a
             # routing bound the busiest runs last (on top of the others' saved bytes, first in backward).
@@ -192,16 +192,16 @@ class ComposedCache:
                 if c == SELECTIVE_OP and self.selective:
                     group: list = []
                     self._expand(c, layer, sw, group, share)
-                    ckpt = ["ckpt", group, self.context, self.context]
-                    out.append(ckpt)
+                    ckpt_at = len(out)
+                    out.append(("ckpt", group))     # completed below, once the frees it holds back are known
                 else:
                     self._expand(c, layer, sw, out, share)
                 start = len(out)
                 self._own(own_label(op, c), layer, sw, out, op=op, expert=expert)
-                if ckpt is not None:
-                    _defer_frees(out, start, ckpt)
-        if ckpt is not None:
-            out[out.index(ckpt)] = tuple(ckpt)
+                if ckpt_at is not None:
+                    deferred += _defer_frees(out, start)
+        if ckpt_at is not None:
+            out[ckpt_at] += (self.context, self.context + deferred)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
              expert: float | None = None) -> None:
@@ -214,15 +214,17 @@ class ComposedCache:
         out.append((label, self.values(label, sw, tokens), op or label, layer))
 
 
-def _defer_frees(out: list, start: int, ckpt: list) -> None:
+def _defer_frees(out: list, start: int) -> float:
     """The checkpoint saves its inputs until its backward: what the parent's own code frees after it (without
     recompute, the inputs nothing else saved, released when the parent returns) is held by the checkpoint instead
-    and freed at the end of its backward (ckpt[3]: the bytes that frees)."""
+    and freed at the end of its backward. Takes those frees out of the segments out[start:]; returns their bytes."""
+    held = 0.0
     for j in range(start, len(out)):
         label, (fd, fp, bd, bp, measured), op, layer = out[j]
         if fd < 0:
-            ckpt[3] -= fd
+            held -= fd
             out[j] = (label, (0.0, fp, bd, bp, measured), op, layer)
+    return held
 
 
 def term_tensors(terms, env) -> list:
