@@ -18,8 +18,8 @@ The traced models are tiny (kilobyte tensors: everything lands in 2 MiB small-po
 also replayed with every tensor of 4 KiB or more multiplied by K (--scale, default 1 and 4096; smaller ones are
 scalars and counters that do not grow with a model): the same tensors and order at GPU scale, which is where the
 large pool's rules (20 MiB segments, the split threshold, best fit across segments) decide fragmentation. This
-validates the stream synthesis against real streams, not the allocator model against a GPU: that needs a GPU run
-(README, GPU recipe).
+validates the stream synthesis against real streams; benchmarks/gpu_validation.py checks the allocator model and
+the synthesized stream against H100 runs.
 """
 from __future__ import annotations
 

@@ -83,9 +83,12 @@ def compare(name: str, estimate: dict | None, measured: dict | None, traced: dic
            "traced_peak": (traced or {}).get("allocator_peak_bytes"),
            "iter_s": t_un, "traced_iter_s": t_tr,
            "slowdown": t_tr / t_un if t_un and t_tr else None}
+    req = [meas.get(k) for k in ("setup_peak_requested", "train_peak_requested")]
+    row["meas_requested"] = max(req) if None not in req else None   # the caching allocator's unrounded peak
     row["err_allocated"] = _err(row["pred_allocated"], row["meas_allocated"])
     row["err_reserved"] = _err(row["pred_reserved"], row["meas_reserved"])
     row["traced_vs_allocated"] = _err(row["traced_peak"], row["meas_allocated"])
+    row["traced_vs_requested"] = _err(row["traced_peak"], row["meas_requested"])
     return row
 
 
@@ -122,9 +125,52 @@ def table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------------ allocator events
+def snapshot_events(snapshot: dict) -> list:
+    """The caching allocator's own request stream from torch.cuda.memory._snapshot(): ("a", id, requested bytes)
+    and ("f", id), ids numbered by first use (addresses are reused), in the order the allocator applied them."""
+    traces = snapshot.get("device_traces") or [[]]
+    if len(traces) != 1 or len({e.get("stream") for e in traces[0]}) > 1:
+        raise CampaignError("the snapshot has more than one device or stream; the event format holds one")
+    ids: dict = {}
+    out = []
+    n = 0
+    for e in traces[0]:
+        if e["action"] == "alloc":
+            ids[e["addr"]], n = n, n + 1
+            out.append(("a", ids[e["addr"]], e["size"]))
+        elif e["action"] == "free_completed" and e["addr"] in ids:
+            out.append(("f", ids.pop(e["addr"])))
+    return out
+
+
+def write_events(path: str, events: list) -> None:
+    """One event per line ("a ID BYTES" / "f ID"), xz-compressed: small enough to commit."""
+    import lzma
+    with lzma.open(path, "wt", encoding="ascii") as fh:
+        fh.writelines(f"a {e[1]} {e[2]}\n" if e[0] == "a" else f"f {e[1]}\n" for e in events)
+
+
+def read_events(path: str) -> list:
+    """write_events' file back as ("a", id, bytes) / ("f", id) tuples (estimator.caching_allocator.replay's input)."""
+    import lzma
+    out = []
+    with lzma.open(path, "rt", encoding="ascii") as fh:
+        for n, line in enumerate(fh, 1):
+            f = line.split()
+            if f[:1] == ["a"] and len(f) == 3:
+                out.append(("a", int(f[1]), int(f[2])))
+            elif f[:1] == ["f"] and len(f) == 2:
+                out.append(("f", int(f[1])))
+            else:
+                raise CampaignError(f"{path}:{n}: not an allocator event: {line.strip()!r}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ runs
-def worker(out: str, flags: list, iterations: int) -> int:
-    """One untraced rank under the caching allocator (world size 1); writes its measurements to `out`."""
+def worker(out: str, flags: list, iterations: int, events: str | None = None) -> int:
+    """One untraced rank under the caching allocator (world size 1); writes its measurements to `out`, and with
+    `events` the allocator's own request stream (torch.cuda.memory._snapshot, no stacks; write_events)."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     from tracer import harness
     from tracer.profile import Options, _init_distributed, free_port, load_config, versions
@@ -134,11 +180,17 @@ def worker(out: str, flags: list, iterations: int) -> int:
     _init_distributed(False, 0, 1)
     rec: dict = {"device": torch.cuda.get_device_name(), "versions": versions(),
                  "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    if events:
+        torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=2_000_000)
+
+    def requested_peak():   # bytes asked for, before the allocator's 512 B rounding and block reuse
+        return torch.cuda.memory_stats().get("requested_bytes.all.peak")
 
     def on_setup(_result=None):
         # Peaks of setup alone, then restart them so the training-only peak is known too.
         rec["setup_peak_allocated"] = torch.cuda.max_memory_allocated()
         rec["setup_peak_reserved"] = torch.cuda.max_memory_reserved()
+        rec["setup_peak_requested"] = requested_peak()
         torch.cuda.reset_peak_memory_stats()
 
     res = harness.run(cfg, iterations, on_setup=on_setup)
@@ -146,14 +198,16 @@ def worker(out: str, flags: list, iterations: int) -> int:
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     rec.update(train_peak_allocated=torch.cuda.max_memory_allocated(),
-               train_peak_reserved=torch.cuda.max_memory_reserved(),
+               train_peak_reserved=torch.cuda.max_memory_reserved(), train_peak_requested=requested_peak(),
                reserved_end=torch.cuda.memory_reserved(), device_used_end=total - free, device_total=total,
                outside_allocator_end=total - free - torch.cuda.memory_reserved(),
                num_alloc_retries=stats.get("num_alloc_retries", 0), num_ooms=stats.get("num_ooms", 0),
-               iteration_seconds=res.iteration_seconds, losses=res.losses)
+               iteration_seconds=res.iteration_seconds, losses=res.losses, kernels=res.kernels)
     # Whole process, as Megatron-LM logs it: the larger of the setup and the training peak.
     rec["peak_allocated"] = max(rec["setup_peak_allocated"], rec["train_peak_allocated"])
     rec["peak_reserved"] = max(rec["setup_peak_reserved"], rec["train_peak_reserved"])
+    if events:
+        write_events(events, snapshot_events(torch.cuda.memory._snapshot()))
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(rec, fh, indent=1)
     torch.distributed.destroy_process_group()
@@ -177,7 +231,8 @@ def _load(path: str):
         return None
 
 
-def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, timeout: float) -> dict:
+def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, timeout: float,
+                 events: bool = False) -> dict:
     d = os.path.join(work, cfg.name)
     os.makedirs(d, exist_ok=True)
     est_path, meas_path = os.path.join(d, "estimate.json"), os.path.join(d, "measured.json")
@@ -188,8 +243,9 @@ def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, t
                            cwd=_repo_root(), timeout=timeout)
         except subprocess.TimeoutExpired:
             err.write(f"the estimator took over {timeout:.0f} s\n")
-    _child([sys.executable, "-m", "fit.gpu_validate", "--worker", meas_path, "--iterations", str(iterations), "--",
-            *cfg.argv], os.path.join(d, "untraced.log"), timeout)
+    _child([sys.executable, "-m", "fit.gpu_validate", "--worker", meas_path, "--iterations", str(iterations),
+            *(["--events", os.path.join(d, "allocator_events.txt.xz")] if events else []), "--", *cfg.argv],
+           os.path.join(d, "untraced.log"), timeout)
     tr = None
     if traced:
         tdir = os.path.join(d, "traced")
@@ -211,7 +267,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:   # internal: one untraced run (see worker)
         sep = argv.index("--") if "--" in argv else len(argv)
-        return worker(argv[1], argv[sep + 1:], int(argv[argv.index("--iterations") + 1]))
+        head = argv[:sep]
+        return worker(argv[1], argv[sep + 1:], int(head[head.index("--iterations") + 1]),
+                      head[head.index("--events") + 1] if "--events" in head else None)
     ap = _Parser(prog="python -m fit.gpu_validate", description=__doc__.split("\n\n")[0].split(": ", 1)[-1])
     ap.add_argument("--campaign", default="gpu_campaign_out", help="the GPU campaign's --out (its site/ installs "
                     "and its fitted set; default gpu_campaign_out)")
@@ -221,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="CONFIG")
     ap.add_argument("--no-traced", action="store_true", help="skip the traced runs (no slowdown figures)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run (default 300)")
+    ap.add_argument("--events", action="store_true", help="keep the caching allocator's request stream of each "
+                    "untraced run (<runs>/<config>/allocator_events.txt.xz) for offline checks of the allocator model")
     args = ap.parse_args(argv)
     return run_cli(ap.prog, lambda: run(args), (CampaignError, GridError))
 
@@ -255,7 +315,7 @@ def run(args) -> int:
 
     for i, c in enumerate(configs):
         print(f"[{i + 1}/{len(configs)}] {c.name}", file=sys.stderr, flush=True)
-        rows.append(validate_one(c, work, formulas, iterations, not args.no_traced, args.timeout))
+        rows.append(validate_one(c, work, formulas, iterations, not args.no_traced, args.timeout, args.events))
         write()
     text = table(rows)
     print(text, end="")

@@ -125,7 +125,7 @@ def test_report_json_and_verdict_carry_the_modelled_reserved():
     rep = build_report(args + ["--gpu-memory", "H100"])
     doc = to_json(rep)
     model = doc["reserved_model"]
-    assert model["label"].startswith("modelled") and "not yet validated on a GPU" in model["label"]
+    assert model["label"].startswith("modelled") and "H100 runs" in model["label"]
     assert model["allocator_settings"]["source"] in ("defaults", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
     for s, b in zip(doc["stages"], doc["memory_budget"]["stages"]):
         assert s["reserved_bytes"] == s["peak_bytes"] + b["fragmentation_bytes"] > s["peak_bytes"]
@@ -163,7 +163,7 @@ def test_tracer_report_shows_the_modelled_reserved(capsys):
     got = json.loads(capsys.readouterr().out)["ranks"][0]["modelled_reserved"]
     want = modelled_reserved(parse_run(run)[0], parse_alloc_conf("expandable_segments:True"))
     assert got["reserved_peak_bytes"] == want["peak_reserved_bytes"] == 4 << 20   # two 2 MiB small-pool pages
-    assert got["settings"] == "expandable_segments:True" and "not yet validated on a GPU" in got["label"]
+    assert got["settings"] == "expandable_segments:True" and "H100 runs" in got["label"]
     assert report.main([run]) == 0
     assert "reserved had PyTorch's caching allocator served this stream: 4.0000 MiB" in capsys.readouterr().out
     assert report.main([run, "--cuda-alloc-conf", "max_split_size_mb:1"]) == 2

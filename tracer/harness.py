@@ -355,10 +355,12 @@ def _mean_loss(losses_reduced: list):
     return float(total[0] / total[1])
 
 
-def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None, gpu_kernels: bool = False) -> HarnessResult:
+def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None,
+        gpu_kernels: bool | None = None) -> HarnessResult:
     """Set up the model and optimizer, then train `iterations` iterations with iter/fwd/bwd/... scopes.
     gpu_kernels: run the kernel families a GPU runs for these flags, stand-ins where the real kernel is missing
-    (tracer.standins); else, on CPU, the local spec without fused kernels (estimator.formulas.CPU_KERNELS)."""
+    (tracer.standins); else the local spec without fused kernels (estimator.formulas.CPU_KERNELS). None (default):
+    the device's own, so a GPU run always runs the GPU's kernels, traced or not."""
     import time
 
     from megatron.core import parallel_state as ps
@@ -378,7 +380,7 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None, gpu_
     tconfig = transformer_config(cfg, extra)
     from estimator.formulas import CPU_KERNELS
     kernels = dict(CPU_KERNELS)
-    if gpu_kernels:
+    if gpu_kernels or (gpu_kernels is None and not on_cpu()):
         from tracer import standins
         kernels = standins.install(tconfig, cfg, on_gpu=not on_cpu())
     model = build_model(cfg, tconfig, kernels["spec"] == "te")
