@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 DEFAULT_DIR = os.path.join(ROOT, "fit", "traces", "gpu_h100")
 MiB = float(1 << 20)
 NOT_TRACEABLE = ("512-byte block rounding",)        # the caching allocator's, not in a pluggable-allocator trace
-TE_ONLY = ("Transformer Engine GEMM workspace", "Transformer Engine grouped-GEMM workspaces")
+from estimator.gpu_runtime import TE_ITEMS as TE_ONLY  # noqa: E402
 
 
 def configs(root: str) -> list[str]:
@@ -60,8 +60,9 @@ def predicted_peak(argv: list[str], kernels: dict, formulas: str, te: bool) -> t
     """(rank-0 peak as a trace would hold it, bytes of GPU runtime items taken out)."""
     from estimator import cli
     from estimator import report as R
-    doc = R.to_json(cli.build_report(["--nproc_per_node", "1"] + argv, formulas=formulas, device="cuda",
-                                     kernels=kernels))
+    # Without TE the campaign's optimizer was torch's AdamW (--torch-adam), and its stand-ins allocate no TE workspace.
+    doc = R.to_json(cli.build_report(["--nproc_per_node", "1"] + argv + ([] if te else ["--torch-adam"]),
+                                     formulas=formulas, device="cuda", kernels=kernels))
     drop = NOT_TRACEABLE + (() if te else TE_ONLY)
     out = sum(i["bytes"] for s in doc["stages"][:1] for i in s.get("gpu_runtime", []) if i["name"] in drop)
     return doc["ranks"][0]["peak_bytes"] - out, out

@@ -10,7 +10,8 @@ allocator's own request stream of that run, from torch.cuda.memory._snapshot). T
   * the allocator model: the real request stream replayed through estimator.caching_allocator; its allocated and
     reserved peaks against the measured ones (the model's rules alone, independent of any formula);
   * the estimate: get-training-info on the config's flags (--nproc_per_node 1, each --formulas set; default the
-    estimator's default choice and gpu_h100), its allocated peak and modelled reserved peak against the measured ones.
+    estimator's default choice and gpu_h100), its allocated peak and modelled reserved peak against the measured ones;
+    without Transformer Engine in the install, with --torch-adam and less TE's workspace (the stand-ins have none).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from estimator import cli  # noqa: E402
 from estimator.report_json import json_text  # noqa: E402
 from estimator.caching_allocator import replay  # noqa: E402
 from fit.campaign import load_grid  # noqa: E402
-from fit.gpu_validate import predicted, read_events  # noqa: E402
+from fit.gpu_validate import install_adjustments, predicted, read_events  # noqa: E402
 
 DEFAULT_DIR = os.path.join(ROOT, "fit", "validation", "h100")
 GRID = os.path.join(ROOT, "fit", "grids", "gpu_validate.json")
@@ -48,10 +49,12 @@ def allocator_check(run_dir: str) -> dict:
             "model_allocated": st["peak_allocated_bytes"], "model_reserved": st["peak_reserved_bytes"]}
 
 
-def estimate(argv: list[str], formulas: str) -> dict:
-    """What fit.gpu_validate ran on the GPU machine: get-training-info --nproc_per_node 1 FLAGS --formulas SET --json."""
+def estimate(argv: list[str], formulas: str, adjust: tuple) -> dict:
+    """What fit.gpu_validate runs on the GPU machine: get-training-info --nproc_per_node 1 FLAGS OPTIONS
+    --formulas SET --json, less the runtime items the install cannot have (fit.gpu_validate.install_adjustments)."""
     pick = [] if formulas == "default" else ["--formulas", formulas]    # default: the estimator's own choice
-    return predicted(json.loads(json_text(cli.build_report(["--nproc_per_node", "1", *argv, *pick]))))
+    doc = json.loads(json_text(cli.build_report(["--nproc_per_node", "1", *argv, *adjust[0], *pick])))
+    return predicted(doc, drop=adjust[1])
 
 
 def _pct(pred, meas) -> str:
@@ -69,6 +72,8 @@ def main(argv=None) -> int:
         return 2
     _, configs = load_grid(GRID)
     flags = {c.name: c.argv for c in configs}
+    with open(os.path.join(args.dir, "validation.json"), encoding="utf-8") as fh:
+        adjust = install_adjustments(json.load(fh)["install"])
     rows = []
     print(f"{'config':34s} {'alloc MiB':>10s} {'resv MiB':>9s}  allocator model (alloc, resv)  "
           + "  ".join(f"{s} (alloc, resv)" for s in args.formulas))
@@ -79,7 +84,7 @@ def main(argv=None) -> int:
         exact += (row["model_allocated"], row["model_reserved"]) == (row["meas_allocated"], row["meas_reserved"])
         cells = []
         for s in args.formulas:
-            p = estimate(flags[name], s)
+            p = estimate(flags[name], s, adjust)
             row[s] = p
             errs[s].append(p["allocated"] / row["meas_allocated"] - 1)
             cells.append(f"{_pct(p['allocated'], row['meas_allocated']):>8s} "

@@ -30,14 +30,14 @@ allocated peak is unchanged by that and the reserved one moved by under 2% of it
 layouts (against 8 groups), at a quarter of the cost. Fragmentation is
 the product: the stream's tensor sizes and order are a decomposition of the formulas, so the modelled reserved
 figure is as good as that decomposition (benchmarks/reserved_model.py compares it with the real streams of the
-packed CPU traces); on 12 H100 runs the replay is -9.8% .. +9.4% of max_memory_reserved while the allocator
+packed CPU traces); on 12 H100 runs the replay is -8.0% .. +12.3% of max_memory_reserved while the allocator
 model replaying their real streams is exact (benchmarks/gpu_validation.py), so that error is this decomposition's.
 """
 from __future__ import annotations
 
 from . import activations as A
 from . import schedule as S
-from .static_memory import DTYPE_BYTES, chunk_buffer, ddp_bucket_size, local_spec, optimizer_groups, precision
+from .static_memory import DTYPE_BYTES, chunk_buffer, ddp_bucket_size, optimizer_groups, precision
 
 MAX_GROUPS = 1       # microbatch groups replayed before the last partial one (the steady state repeats after)
 ITERATIONS = 2
@@ -316,24 +316,33 @@ def _first_step_state(cfg, st: Stream, chunks, pp_rank: int, remaining: int) -> 
         st.alloc(remaining)
 
 
-def _step_transient(cfg, st: Stream, chunks, pp_rank: int, transient: float) -> None:
-    if _g(cfg, "optimizer", "adam") == "adam" and local_spec(cfg):
-        dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-        dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
-        dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
-        groups = optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, ddp_bucket_size(cfg), pp_rank)
-        best = max(groups, key=lambda g: max((max(v, default=0) for v in g.values()), default=0), default={})
-        for v in best.values():   # torch AdamW: denom = sqrt(v) / c then + eps, per parameter, group by group
-            prev = None
-            for n in v:
-                a = st.alloc(4 * n)
-                b = st.alloc(4 * n)
-                st.free(a)
-                st.free(prev)
-                prev = b
+def _step_transient(cfg, st: Stream, chunks, pp_rank: int, static) -> None:
+    """The optimizer step's temporaries as static_memory.adam_step says the step runs: torch AdamW's per parameter
+    (single-tensor) or per parameter group (foreach), else one block."""
+    if static.optimizer_step not in ("single", "foreach"):
+        st.spike(static.optimizer_step_transient_bytes)
+        return
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
+    groups = optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, ddp_bucket_size(cfg), pp_rank)
+    if static.optimizer_step == "foreach":   # torch._foreach_sqrt over a whole group, freed when the group is done
+        best = max(groups, key=lambda g: max((sum(v) for v in g.values()), default=0), default={})
+        for v in best.values():
+            held = [st.alloc(4 * n) for n in v]
+            for i in held:
+                st.free(i)
+        return
+    best = max(groups, key=lambda g: max((max(v, default=0) for v in g.values()), default=0), default={})
+    for v in best.values():   # torch AdamW: denom = sqrt(v) / c then + eps, per parameter, group by group
+        prev = None
+        for n in v:
+            a = st.alloc(4 * n)
+            b = st.alloc(4 * n)
+            st.free(a)
             st.free(prev)
-    else:
-        st.spike(transient)
+            prev = b
+        st.free(prev)
 
 
 # ---- a stage ---------------------------------------------------------------------------------------------------
@@ -393,7 +402,7 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
         p2p_to(end)
         if it == 0:
             _first_step_state(cfg, st, stage_chunks, pp_rank, static.total_bytes - made)
-        _step_transient(cfg, st, stage_chunks, pp_rank, static.optimizer_step_transient_bytes)
+        _step_transient(cfg, st, stage_chunks, pp_rank, static)
     return st
 
 

@@ -168,6 +168,9 @@ class TrainingConfig:
     # The kernel family per switch a trace recorded it ran (fit.dataset, from its header); None: what a GPU runs
     # for the flags (estimator.formulas.kernels).
     kernels: Optional[dict] = None
+    # get-training-info --torch-adam: neither Transformer Engine nor apex installed, so megatron-core steps with
+    # torch.optim.AdamW (static_memory.adam_step).
+    torch_adam: bool = False
     ignored_args: list = field(default_factory=list)
     conservative_args: list = field(default_factory=list)  # flags modelled as without them (errs high)
     warnings: list = field(default_factory=list)

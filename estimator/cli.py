@@ -45,6 +45,9 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
   --cuda-alloc-conf CONF  PyTorch caching-allocator settings for the modelled reserved memory, as
                           PYTORCH_CUDA_ALLOC_CONF (default: $PYTORCH_ALLOC_CONF or
                           $PYTORCH_CUDA_ALLOC_CONF when set), e.g. expandable_segments:True
+  --torch-adam            neither Transformer Engine nor apex is installed: megatron-core steps with
+                          torch's AdamW, whose multi-tensor step holds an fp32 temporary per
+                          parameter of a whole group (default: TE / apex FusedAdam, in place)
   --detail N              0 summary only; 1 (default) + memory by category, per-rank table,
                           communication per dimension; 2 + model tree, every collective, process
                           groups; 3 + every stage's tree
@@ -127,6 +130,7 @@ OWN_OPTIONS = {
     "--nccl-gib-per-communicator": ("nccl_gib_per_communicator", "float"),
     "--fragmentation-percent": ("fragmentation_percent", "float"),
     "--cuda-alloc-conf": ("cuda_alloc_conf", "str"),
+    "--torch-adam": ("torch_adam", "flag"),
 }
 
 
@@ -136,7 +140,7 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
     flags; preset flags go first, so the user's flags after them win."""
     own = {"json": False, "exit_code": False, "formulas": None, "help": False, "png": None, "gpu_memory": None,
            "detail": 1, "cuda_context_gib": None, "nccl_gib_per_communicator": None, "fragmentation_percent": None,
-           "search": False, "top": 20, "cuda_alloc_conf": None}
+           "search": False, "top": 20, "cuda_alloc_conf": None, "torch_adam": False}
     rest: list[str] = []
     preset_flags: list[str] = []
     i = 0
@@ -203,6 +207,7 @@ def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool
     cfg = parse_args(megatron_argv)
     if kernels is not None:
         cfg.kernels = dict(kernels)
+    cfg.torch_adam = own["torch_adam"]
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
     est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks, device=device)
@@ -316,7 +321,7 @@ def _search(argv: list[str], own: dict) -> int:
     allowances = {k: own[k] for k in V.DEFAULTS}
     fset = F.load(own["formulas"] or F.DEFAULT_SET)
     result = SEARCH.search(megatron_argv, gpu.bytes, fset, progress=sys.stderr.isatty(), allowances=allowances,
-                           gpu_name=gpu.name)
+                           gpu_name=gpu.name, torch_adam=own["torch_adam"])
     write_quietly(lambda: sys.stdout.write(dumps_indent1(SEARCH.to_json(result, own["top"])) + "\n" if own["json"]
                                            else SEARCH.to_text(result, own["top"])))
     return 1 if own["exit_code"] and not result.fits else 0

@@ -123,7 +123,7 @@ RENAMED = {
 # are suggested too.
 TOOL_OPTIONS = ("--json", "--exit-code", "--search", "--top", "--formulas", "--preset", "--png", "--gpu-memory",
                 "--detail", "--cuda-context-gib", "--nccl-gib-per-communicator", "--fragmentation-percent",
-                "--cuda-alloc-conf")
+                "--cuda-alloc-conf", "--torch-adam")
 
 
 def known(flag: str) -> bool:

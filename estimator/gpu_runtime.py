@@ -48,6 +48,9 @@ from bisect import bisect_left, bisect_right
 
 from .static_memory import DTYPE_BYTES, attention_buffer_bytes, chunk_buffer, local_spec, precision
 
+# The items only Transformer Engine allocates: a run of the TE spec on stand-ins (no TE installed) has none.
+TE_ITEMS = ("Transformer Engine GEMM workspace", "TE grouped-GEMM workspaces")
+
 BLOCK = 512
 MiB = 1 << 20
 TE_STREAMS = 4   # transformer_engine/common/util/multi_stream.cpp get_num_compute_streams
@@ -173,9 +176,9 @@ def stage_items(cfg, stage_chunks, pp_rank: int, env: Optional[dict] = None, mem
                   f"{ws / MiB:g} MiB each (H100 default: CUBLAS_WORKSPACE_CONFIG unset)")]
     if has_layers and c.te:
         te = round_block(te_workspace_bytes())
-        items.append(Item("Transformer Engine GEMM workspace", te, 1, "TE get_cublas_workspace, one per process"))
+        items.append(Item(TE_ITEMS[0], te, 1, "TE get_cublas_workspace, one per process"))
         if has_moe and c.grouped:
-            items.append(Item("TE grouped-GEMM workspaces", TE_STREAMS * te, TE_STREAMS,
+            items.append(Item(TE_ITEMS[1], TE_STREAMS * te, TE_STREAMS,
                               "TE get_cublas_workspace(grouped_gemm=True), one per compute stream"))
     items += _global_buffer_items(c, has_layers, has_output, has_moe)
     pad = rounding_bytes(cfg, stage_chunks, pp_rank, memo)

@@ -167,7 +167,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
                 chunks.append(hit[0])
                 chunk_ops.append(hit[1])
             per_op = _stage_per_op(chunk_ops) if want_ops else {}
-            st = stage_static(cfg, stage_chunks, r, memo)
+            st = stage_static(cfg, stage_chunks, r, memo, device)
             runtime = gpu_runtime.stage_items(cfg, stage_chunks, r, runtime_env, memo, gpu=device != "cpu")
             gpu_bytes = sum([it.bytes for it in runtime])
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
@@ -201,10 +201,10 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
 
 
 def stage_static(cfg: Any, stage_chunks: List[List[ParamInfo]], pp_rank: int,
-                 memo: Optional[dict] = None) -> StaticMemory:
+                 memo: Optional[dict] = None, device: str = "cuda") -> StaticMemory:
     """One stage's static memory, as estimate() counts it: megatron-core DDP's buffers, or sharded data
     parallelism's (estimator.sharding)."""
-    st = static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo)
+    st = static_memory(cfg, stage_chunks, pp_rank=pp_rank, _memo=memo, device=device)
     if sharding.active(cfg):
         st = sharding.apply(cfg, st, stage_chunks)
     if fp8.active(cfg):

@@ -13,7 +13,7 @@ import os
 
 from estimator._record import dataclass, field
 
-LABEL = "modelled (allocator replay; -9.8% .. +9.4% on 12 H100 runs)"
+LABEL = "modelled (allocator replay; -8.0% .. +12.3% on 12 H100 runs)"
 ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 

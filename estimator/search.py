@@ -171,17 +171,19 @@ class _Progress:
 
 
 def search(argv: list[str], gpu_bytes: float, fset, progress: bool = True, workers: Optional[int] = None,
-           allowances: Optional[dict] = None, gpu_name: Optional[str] = None) -> SearchResult:
+           allowances: Optional[dict] = None, gpu_name: Optional[str] = None, torch_adam: bool = False) -> SearchResult:
     """Estimate every layout Megatron accepts for the command line's model and world size; keep those whose every
     stage's total (predicted peak plus the verdict's allowances) is at most gpu_bytes, best (least communication
     per rank, then least bubble) first. allowances: overrides of estimator.verdict.DEFAULTS (None entries keep
-    the default). workers: processes to spread the layouts over (default: the CPUs this process may use; 1 = in
-    process)."""
+    the default). torch_adam: the optimizer step is torch AdamW's (--torch-adam). workers: processes to spread the
+    layouts over (default: the CPUs this process may use; 1 = in process)."""
     t0 = time.perf_counter()
     allow = V.allowances(**(allowances or {}))
     given, ignored, conservative = tokenize(argv)
     base = {k: v for k, v in given.items() if k not in LAYOUT_DESTS}
     base.setdefault("micro_batch_size", 1)
+    if torch_adam:
+        base["torch_adam"] = True   # get-training-info --torch-adam (static_memory.adam_step)
     layouts = enumerate_layouts(base)
     # Layouts that cut the model the same way go to one worker, so its memos are shared among them.
     groups: dict = {}

@@ -221,6 +221,7 @@ class StaticMemory:
     grad_buffer_numel: int = 0
     padding_elements: int = 0
     optimizer_step_transient_bytes: int = 0
+    optimizer_step: str = "fused"   # adam_step(): how the step runs, which decides its temporaries
 
     @property
     def total_bytes(self) -> int:
@@ -255,10 +256,11 @@ def optimizer_bytes_per_param(cfg: Any) -> Tuple[int, int]:
 
 
 def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int = 0,
-                  dp_rank: Optional[int] = None, _memo: Optional[dict] = None) -> StaticMemory:
+                  dp_rank: Optional[int] = None, _memo: Optional[dict] = None, device: str = "cuda") -> StaticMemory:
     """Static bytes of one rank. `chunks`: the rank's model chunks (one per virtual stage), each the parameters in
     named_parameters order. dp_rank None = the DP rank whose shard holds the most real elements.
-    _memo: a dict kept by the caller for one config; chunks with equal parameter lists are then laid out once."""
+    _memo: a dict kept by the caller for one config; chunks with equal parameter lists are then laid out once.
+    device: where the run runs ("cpu" or a GPU), which decides how torch's AdamW steps (adam_step)."""
     pd, gd = precision(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
     dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
@@ -319,14 +321,35 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     states = opt_states * state_elems
     detail = {"master_params_bytes": master, "fp32_grad_copy_bytes": grad_copy, "states_bytes": states,
               "state_elements": state_elems, "optimizer": _g(cfg, "optimizer", "adam")}
-    if _g(cfg, "optimizer", "adam") == "adam" and local_spec(cfg):
+    step = adam_step(cfg, device)
+    if step == "single":
         transient = step_transient_bytes(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)
+    elif step == "foreach":
+        transient = foreach_step_transient_bytes(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)
     else:
         # A fused multi-tensor step (TE / apex FusedAdam) needs no parameter-sized temporaries; grad-norm / clipping
         # keep one fp32 vector of the largest tensor's shard at most (modelled, conservative).
         transient = 4 * -(-largest // (dp_dense if dist_opt else 1))
     return StaticMemory(params, expert, weights, grads, master + grad_copy + states, detail, gnumel, padding,
-                        transient)
+                        transient, step)
+
+
+def adam_step(cfg: Any, device: str = "cuda") -> str:
+    """How the optimizer step runs, which decides its parameter-sized temporaries. megatron-core 0.16.1 takes
+    Transformer Engine's FusedAdam, else apex's, else torch.optim.AdamW (megatron/core/optimizer/__init__.py):
+    - "fused": TE / apex FusedAdam, what a Megatron-LM GPU install has (its containers ship both): in place;
+    - "foreach": torch's AdamW on a GPU (--torch-adam: neither TE nor apex installed). torch defaults to its
+      multi-tensor path there, whose `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)` holds one fp32 temporary
+      per parameter of the whole parameter group at once (seen on an H100: the step set the peak of full-recompute
+      runs, +1x the group's fp32 size);
+    - "single": torch's AdamW on CPU (its single-tensor path, two temporaries per parameter: step_transient_bytes),
+      what every CPU trace runs.
+    Another optimizer (SGD) steps in place: "fused"."""
+    if _g(cfg, "optimizer", "adam") != "adam":
+        return "fused"
+    if device == "cpu":
+        return "single"
+    return "foreach" if _g(cfg, "torch_adam", False) else "fused"
 
 
 def ddp_bucket_size(cfg: Any) -> Optional[int]:
@@ -371,6 +394,15 @@ def step_transient_bytes(chunks: Sequence[Iterable[ParamInfo]], dist_opt: bool, 
     shards, in grad-buffer order (params reversed within each buffer), zero-sized shards skipped; the largest DP
     rank is taken. (The grad-norm pass before it keeps one param-sized temporary at a time: never larger.)"""
     return 4 * max((max((_adam_peak(v) for v in groups.values()), default=0)
+                    for groups in optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)), default=0)
+
+
+def foreach_step_transient_bytes(chunks: Sequence[Iterable[ParamInfo]], dist_opt: bool, dp_dense: int,
+                                 dp_expert: int, bucket: Optional[int] = None, pp_rank: int = 0) -> int:
+    """Peak above the level at the step's entry for torch.optim.AdamW's multi-tensor (foreach) step, torch's default
+    on a GPU: `torch._foreach_sqrt(exp_avg_sqs)` makes one fp32 tensor per parameter (shard) of a parameter group,
+    all alive until the group's update is done; groups step one after another (optimizer_groups)."""
+    return 4 * max((max((sum(v) for v in groups.values()), default=0)
                     for groups in optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)), default=0)
 
 

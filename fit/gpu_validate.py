@@ -24,6 +24,8 @@ import sys
 import tempfile
 
 from .campaign import GridError, _Parser, _last_line, load_grid, run_cli
+from estimator.gpu_runtime import TE_ITEMS
+
 from .gpu_campaign import CampaignError, _repo_root, check_gpu, read_manifest, with_paths
 
 DEFAULT_GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grids", "gpu_validate.json")
@@ -44,11 +46,14 @@ def _stage_reserved(stage: dict):
     return None, None
 
 
-def predicted(estimate: dict, pp_rank: int = 0) -> dict:
-    """The estimate's allocated peak and, when present, its modelled reserved figure for one pipeline stage."""
+def predicted(estimate: dict, pp_rank: int = 0, drop: tuple = ()) -> dict:
+    """The estimate's allocated peak and, when present, its modelled reserved figure for one pipeline stage, less
+    the GPU runtime items named in `drop` (persistent buffers the measured run cannot have: install_adjustments)."""
     stages = {s.get("pp_rank", i): s for i, s in enumerate(estimate.get("stages") or [])}
     stage = stages.get(pp_rank, {})
+    dropped = sum(i.get("bytes", 0) for i in stage.get("gpu_runtime") or [] if i.get("name") in drop)
     alloc = stage.get("peak_bytes", estimate.get("max_peak_bytes"))
+    alloc = None if alloc is None else alloc - dropped
     reserved, where = _stage_reserved(stage)
     if reserved is None:   # the budget's per-stage rows are the other place a stage's totals live
         budget = {s.get("pp_rank", i): s for i, s in enumerate((estimate.get("memory_budget") or {}).get("stages")
@@ -57,6 +62,7 @@ def predicted(estimate: dict, pp_rank: int = 0) -> dict:
         where = f"memory_budget.stages.{where}" if where else None
     else:
         where = f"stages.{where}"
+    reserved = None if reserved is None else reserved - dropped
     return {"allocated": alloc, "reserved": reserved, "reserved_key": where,
             "formula_set": (estimate.get("formula_set") or {}).get("name")}
 
@@ -71,9 +77,9 @@ def _steady(seconds):
     return statistics.median(xs) if xs else None
 
 
-def compare(name: str, estimate: dict | None, measured: dict | None, traced: dict | None) -> dict:
+def compare(name: str, estimate: dict | None, measured: dict | None, traced: dict | None, drop: tuple = ()) -> dict:
     """One table row from the three runs' JSON (any of them None when that run failed)."""
-    pred = predicted(estimate) if estimate else {"allocated": None, "reserved": None, "reserved_key": None}
+    pred = predicted(estimate, drop=drop) if estimate else {"allocated": None, "reserved": None, "reserved_key": None}
     meas = measured or {}
     t_un, t_tr = _steady(meas.get("iteration_seconds")), _steady((traced or {}).get("iteration_seconds"))
     row = {"config": name,
@@ -231,15 +237,24 @@ def _load(path: str):
         return None
 
 
+def install_adjustments(install: dict) -> tuple:
+    """(estimator options, GPU runtime items to take out) that the install implies. Without Transformer Engine
+    (the campaign installs no apex either) megatron-core steps with torch's AdamW (get-training-info --torch-adam),
+    and the TE spec runs on stand-ins, which allocate no TE workspace."""
+    if install.get("transformer_engine"):
+        return [], ()
+    return ["--torch-adam"], TE_ITEMS
+
+
 def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, timeout: float,
-                 events: bool = False) -> dict:
+                 events: bool = False, adjust: tuple = ((), ())) -> dict:
     d = os.path.join(work, cfg.name)
     os.makedirs(d, exist_ok=True)
     est_path, meas_path = os.path.join(d, "estimate.json"), os.path.join(d, "measured.json")
     with open(est_path, "w", encoding="utf-8") as fh, open(os.path.join(d, "estimate.log"), "w") as err:
         try:
             subprocess.run([sys.executable, os.path.join(_repo_root(), "get_training_info.py"), "--nproc_per_node",
-                            "1", *cfg.argv, "--formulas", formulas, "--json"], stdout=fh, stderr=err,
+                            "1", *cfg.argv, *adjust[0], "--formulas", formulas, "--json"], stdout=fh, stderr=err,
                            cwd=_repo_root(), timeout=timeout)
         except subprocess.TimeoutExpired:
             err.write(f"the estimator took over {timeout:.0f} s\n")
@@ -252,7 +267,7 @@ def validate_one(cfg, work: str, formulas: str, iterations: int, traced: bool, t
         _child([sys.executable, "-m", "tracer.profile", "--out", tdir, "--iterations", str(iterations), "--",
                 "--nproc_per_node", "1", *cfg.argv], os.path.join(d, "traced.log"), timeout)
         tr = _load(os.path.join(tdir, "rank0.json"))
-    row = compare(cfg.name, _load(est_path), _load(meas_path), tr)
+    row = compare(cfg.name, _load(est_path), _load(meas_path), tr, adjust[1])
     row["measured"], row["traced_header_error"] = _load(meas_path), (tr or {}).get("error")
     # Why a column is n/a: the last line of that run's log (the estimator's one-line error, a run's exception).
     for key, missing, log in (("estimate_error", row["pred_allocated"] is None, "estimate.log"),
@@ -315,7 +330,8 @@ def run(args) -> int:
 
     for i, c in enumerate(configs):
         print(f"[{i + 1}/{len(configs)}] {c.name}", file=sys.stderr, flush=True)
-        rows.append(validate_one(c, work, formulas, iterations, not args.no_traced, args.timeout, args.events))
+        rows.append(validate_one(c, work, formulas, iterations, not args.no_traced, args.timeout, args.events,
+                                 install_adjustments(man)))
         write()
     text = table(rows)
     print(text, end="")
