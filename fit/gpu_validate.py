@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 
-from .campaign import GridError, _Parser, _last_line, load_grid, run_cli
 from estimator.gpu_runtime import TE_ITEMS
 
+from .campaign import GridError, _Parser, _last_line, load_grid, run_cli
 from .gpu_campaign import CampaignError, _repo_root, check_gpu, read_manifest, with_paths
 
 DEFAULT_GRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grids", "gpu_validate.json")

@@ -51,6 +51,7 @@ class Run:
         self.children = op_children(ranks[0])
         self.peaks = [int(r.peak_bytes) for r in ranks]
         self.backend = ranks[0].header.get("backend", "cpu")   # 'cuda' for a GPU trace
+        self.device = ranks[0].header.get("device")
 
 
 def candidates(label: str) -> list:
@@ -434,12 +435,19 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
             segments += _fit_one(label)[1]
             print(f"  [{i + 1}/{len(labels)}] {label}", file=sys.stderr, flush=True)
     doc = {"format": FORMAT, "version": 2, "name": name, "kind": "fitted", "composed": True,
-           "description": description or "Composed per-op segment formulas fitted from CPU traces.",
+           "description": description or default_description(runs),
            "provenance": {"traces": [{"path": r.path, "config": r.config, "peaks": r.peaks} for r in runs],
                           "backends": sorted({r.backend for r in runs})},
            "formulas": [],
            "segments": segments, "structure": fit_structure(runs)}
     return doc
+
+
+def default_description(runs: list) -> str:
+    """What the set was fitted from, read from the runs' trace headers."""
+    where = sorted({(r.device or "GPU") if r.backend == "cuda" else "CPU" for r in runs})
+    return (f"Composed per-op segment formulas fitted from {len(runs)} traces ({', '.join(where)}); recompute is "
+            "composed from the plain layer, never fitted.")
 
 
 def main(argv=None) -> int:
@@ -449,12 +457,13 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", required=True, help="formula set to write")
     ap.add_argument("--name", default="cpu_compose")
     ap.add_argument("--jobs", type=int, default=1, help="labels fitted in parallel (processes)")
+    ap.add_argument("--description", default="", help="the set's description (default: what it was fitted from)")
     ap.add_argument("--accept-damaged", action="store_true",
                     help="fit traces that are damaged, truncated or of runs that did not end cleanly (refused by "
                          "default)")
     a = ap.parse_args(argv)
     try:
-        doc = fit_runs(a.paths, a.name, jobs=max(1, a.jobs), accept_damaged=a.accept_damaged)
+        doc = fit_runs(a.paths, a.name, a.description, jobs=max(1, a.jobs), accept_damaged=a.accept_damaged)
     except (DatasetError, OSError, ValueError) as exc:
         print(f"fit.segment_fit: error: {exc}", file=sys.stderr)
         return 2
