@@ -113,6 +113,13 @@ def _biases(cfg) -> str:
     return "QKV bias only" if getattr(cfg, "add_qkv_bias", False) else "no linear biases"
 
 
+def _step(cfg) -> str:
+    """How the optimizer steps on a GPU (static_memory.adam_step): it decides the step's temporaries."""
+    from .static_memory import adam_step
+    return {"fused": " (TE / apex FusedAdam assumed; --torch-adam without them)" if cfg.optimizer == "adam" else "",
+            "foreach": " (torch AdamW, multi-tensor step: --torch-adam)"}.get(adam_step(cfg), "")
+
+
 def _describe(cfg) -> list[str]:
     moe = ""
     if cfg.is_moe:
@@ -140,7 +147,7 @@ def _describe(cfg) -> list[str]:
         + f"; sequence parallel {'on' if cfg.sequence_parallel else 'off'}; distributed optimizer "
         f"{'on' if cfg.use_distributed_optimizer else 'off'}",
         f"Training     micro batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size}, "
-        f"{cfg.num_microbatches} microbatches per iteration; {dtype}; optimizer {cfg.optimizer}; "
+        f"{cfg.num_microbatches} microbatches per iteration; {dtype}; optimizer {cfg.optimizer}{_step(cfg)}; "
         f"recompute {recompute}; attention {cfg.attention_kernel}",
         *routing,
     ]
