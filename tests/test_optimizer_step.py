@@ -71,3 +71,28 @@ def test_which_step_runs():
     assert adam_step(Cfg, "cuda") == "foreach"
     Cfg.optimizer = "sgd"
     assert adam_step(Cfg, "cuda") == "fused"
+
+
+def test_torch_adam_reaches_the_estimate_and_the_search():
+    """--torch-adam: a full-recompute config's peak moves to the step, static bytes plus the whole weight-decay
+    group in fp32; the layout search honours it too."""
+    from estimator import cli
+    from estimator import formulas as F
+    from estimator import search as S
+    argv = ["--nproc_per_node", "1", "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1", "--vocab-size",
+            "32000", "--bf16", "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]
+    fused = cli.build_report(argv).estimate.ranks[0]
+    torch_adam = cli.build_report(argv + ["--torch-adam"]).estimate.ranks[0]
+    assert fused.static.optimizer_step == "fused" and torch_adam.static.optimizer_step == "foreach"
+    assert torch_adam.peak_phase == "optimizer step"
+    assert torch_adam.peak_bytes == torch_adam.static.total_bytes + torch_adam.bytes["gpu_runtime"] + \
+        torch_adam.static.optimizer_step_transient_bytes > fused.peak_bytes
+
+    megatron_argv = cli.split_own_options(argv)[0]
+    peaks = [{tuple(sorted(x["layout"].items())): x["peak_bytes"]
+              for x in S.to_json(S.search(megatron_argv, 1 << 40, F.load(F.DEFAULT_SET), progress=False, workers=1,
+                                          torch_adam=t), 10_000)["layouts"]} for t in (False, True)]
+    assert peaks[0].keys() == peaks[1].keys()
+    assert all(peaks[1][k] >= peaks[0][k] for k in peaks[0]) and any(peaks[1][k] > peaks[0][k] for k in peaks[0])
