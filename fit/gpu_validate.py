@@ -1,5 +1,5 @@
 """python -m fit.gpu_validate [--campaign DIR] [--formulas SET.json] [--grid GRID] [--out FILE] [--only NAME...]
-                            [--no-traced]: check the fitted GPU set against real runs, and measure the tracer's cost.
+                            [--no-traced] [--events] [--timeout S]: check the fitted GPU set against real runs, and measure the tracer's cost.
 
 For every config of the grid (default fit/grids/gpu_validate.json: held-out shapes, 3 layers), one after another on
 one GPU (never concurrently: the iteration times are compared):
@@ -10,7 +10,8 @@ one GPU (never concurrently: the iteration times are compared):
     context, NCCL, cuBLAS handles) at the end;
   * the same config traced with the CUDA tracing allocator (python -m tracer.profile), for the slowdown per
     iteration (median over iterations after the first, traced / untraced) and the traced peak;
-  * the estimator on the same command line: get-training-info --nproc_per_node 1 FLAGS --formulas SET --json.
+  * the estimator on the same command line: get-training-info --nproc_per_node 1 FLAGS --formulas SET --json, with
+    what the install implies (install_adjustments: without Transformer Engine, --torch-adam and no TE workspace).
 Prints predicted vs measured, allocated and reserved (the estimate's modelled reserved figure when its JSON has
 one, else n/a), and writes every number to --out (default <campaign>/validation.json).
 """
