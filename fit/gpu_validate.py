@@ -1,5 +1,6 @@
 """python -m fit.gpu_validate [--campaign DIR] [--formulas SET.json] [--grid GRID] [--out FILE] [--only NAME...]
-                            [--no-traced] [--events] [--timeout S]: check the fitted GPU set against real runs, and measure the tracer's cost.
+                            [--no-traced] [--events] [--timeout S]: check the fitted GPU set against real runs,
+                            and measure the tracer's cost.
 
 For every config of the grid (default fit/grids/gpu_validate.json: held-out shapes, 3 layers), one after another on
 one GPU (never concurrently: the iteration times are compared):
