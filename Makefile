@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test bench fuzz accuracy reserved clean
+.PHONY: example test bench fuzz accuracy reserved gpu-validation clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ accuracy: $(VENV)/.test-ready
 # Reserved-memory model: the estimator's synthesized allocation streams vs the packed CPU runs' real ones (20 s).
 reserved: $(VENV)/.test-ready
 	$(PY) benchmarks/reserved_model.py $(RESERVED_ARGS)
+
+# The committed H100 validation runs (fit/validation/h100) against the estimate and the allocator model (seconds).
+gpu-validation: $(VENV)/.test-ready
+	$(PY) benchmarks/gpu_validation.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
