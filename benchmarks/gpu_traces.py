@@ -29,10 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from estimator.gpu_runtime import TE_ITEMS  # noqa: E402
+
 DEFAULT_DIR = os.path.join(ROOT, "fit", "traces", "gpu_h100")
 MiB = float(1 << 20)
 NOT_TRACEABLE = ("512-byte block rounding",)        # the caching allocator's, not in a pluggable-allocator trace
-from estimator.gpu_runtime import TE_ITEMS as TE_ONLY  # noqa: E402
+TE_ONLY = TE_ITEMS        # allocated by Transformer Engine itself, not by its stand-ins (a campaign without TE)
 
 
 def configs(root: str) -> list[str]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from . import activations as A
 from . import schedule as S
-from .static_memory import DTYPE_BYTES, chunk_buffer, ddp_bucket_size, optimizer_groups, precision
+from .static_memory import DTYPE_BYTES, chunk_buffer, dp_layout, optimizer_groups, precision
 
 MAX_GROUPS = 1       # microbatch groups replayed before the last partial one (the steady state repeats after)
 ITERATIONS = 2
@@ -257,10 +257,7 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
         return static.weights_bytes + static.grad_buffer_bytes
     pd, gd = precision(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
-    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
-    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
-    bucket = ddp_bucket_size(cfg)
+    dist_opt, dp_dense, dp_expert, bucket = dp_layout(cfg)
     total = 0
     weights = []
     for chunk in chunks:
@@ -284,7 +281,7 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
                         st.free(i)
     if pd != "fp32":   # fp32 master copies, made by the optimizer's constructor (those on the GPU: offload)
         budget = static.optimizer_bytes
-        for n in _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, bucket):
+        for n in _step_order(cfg, chunks, pp_rank):
             if 4 * n <= budget:
                 st.alloc(4 * n)
                 total += 4 * n
@@ -292,9 +289,9 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
     return total
 
 
-def _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, bucket) -> list:
+def _step_order(cfg, chunks, pp_rank) -> list:
     """Elements per parameter (or shard) in the optimizer's step order, on the DP rank holding the most."""
-    cands = optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank)
+    cands = optimizer_groups(chunks, *dp_layout(cfg), pp_rank)
     best = max(cands, key=lambda g: sum(map(sum, g.values())), default={})
     return [n for v in best.values() for n in v]
 
@@ -302,12 +299,9 @@ def _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, bucket) -> 
 def _first_step_state(cfg, st: Stream, chunks, pp_rank: int, remaining: int) -> None:
     """Optimizer state created by the first step, and what the per-parameter split does not cover."""
     pd, gd = precision(cfg)
-    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
-    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
     opt = _g(cfg, "optimizer", "adam")
     per = (2 if opt == "adam" else (1 if _g(cfg, "sgd_momentum", 0.9) else 0)) + (1 if gd != "fp32" else 0)
-    for n in _step_order(cfg, chunks, pp_rank, dist_opt, dp_dense, dp_expert, ddp_bucket_size(cfg)):
+    for n in _step_order(cfg, chunks, pp_rank):
         for _ in range(per):
             if remaining >= 4 * n:
                 st.alloc(4 * n)
@@ -322,10 +316,7 @@ def _step_transient(cfg, st: Stream, chunks, pp_rank: int, static) -> None:
     if static.optimizer_step not in ("single", "foreach"):
         st.spike(static.optimizer_step_transient_bytes)
         return
-    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
-    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
-    groups = optimizer_groups(chunks, dist_opt, dp_dense, dp_expert, ddp_bucket_size(cfg), pp_rank)
+    groups = optimizer_groups(chunks, *dp_layout(cfg), pp_rank)
     if static.optimizer_step == "foreach":   # torch._foreach_sqrt over a whole group, freed when the group is done
         best = max(groups, key=lambda g: max((sum(v) for v in g.values()), default=0), default={})
         for v in best.values():

@@ -536,14 +536,8 @@ def _step_pairs(cfg: Any, chunks: Sequence[Sequence[Any]], pp_rank: int) -> int:
     """Pstep: static_memory.step_transient_bytes (the estimator's model of torch AdamW's one-tensor-at-a-time step:
     max over megatron-core's optimizer parameter groups of prev + 2 * cur, on DP shards in grad-buffer order under
     the distributed optimizer) in elements, whatever the spec (the set decides whether the step works that way)."""
-    from .static_memory import _g, step_transient_bytes
-    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    dp_dense = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
-    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
-    bucket = None
-    if _g(cfg, "overlap_grad_reduce", False):
-        bucket = _g(cfg, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * dp_dense)
-    return step_transient_bytes(chunks, dist_opt, dp_dense, dp_expert, bucket, pp_rank) // 4
+    from .static_memory import dp_layout, step_transient_bytes
+    return step_transient_bytes(chunks, *dp_layout(cfg), pp_rank) // 4
 
 
 def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:

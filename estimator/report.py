@@ -116,8 +116,9 @@ def _biases(cfg) -> str:
 def _step(cfg) -> str:
     """How the optimizer steps on a GPU (static_memory.adam_step): it decides the step's temporaries."""
     from .static_memory import adam_step
-    return {"fused": " (TE / apex FusedAdam assumed; --torch-adam without them)" if cfg.optimizer == "adam" else "",
-            "foreach": " (torch AdamW, multi-tensor step: --torch-adam)"}.get(adam_step(cfg), "")
+    if adam_step(cfg) == "foreach":
+        return " (torch AdamW, multi-tensor step: --torch-adam)"
+    return " (TE / apex FusedAdam assumed; --torch-adam without them)" if cfg.optimizer == "adam" else ""
 
 
 def _describe(cfg) -> list[str]:

@@ -171,7 +171,8 @@ class _Progress:
 
 
 def search(argv: list[str], gpu_bytes: float, fset, progress: bool = True, workers: Optional[int] = None,
-           allowances: Optional[dict] = None, gpu_name: Optional[str] = None, torch_adam: bool = False) -> SearchResult:
+           allowances: Optional[dict] = None, gpu_name: Optional[str] = None,
+           torch_adam: bool = False) -> SearchResult:
     """Estimate every layout Megatron accepts for the command line's model and world size; keep those whose every
     stage's total (predicted peak plus the verdict's allowances) is at most gpu_bytes, best (least communication
     per rank, then least bubble) first. allowances: overrides of estimator.verdict.DEFAULTS (None entries keep

@@ -263,11 +263,7 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     device: where the run runs ("cpu" or a GPU), which decides how torch's AdamW steps (adam_step)."""
     pd, gd = precision(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
-    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    cp = _g(cfg, "context_parallel_size", 1)
-    dp_dense = _g(cfg, "data_parallel_size", 1) * cp          # DDP buffers use the dp x cp group
-    dp_expert = _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)
-    bucket = ddp_bucket_size(cfg)
+    dist_opt, dp_dense, dp_expert, bucket = dp_layout(cfg)
     opt_states = 8 if _g(cfg, "optimizer", "adam") == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
 
     params = expert = weights = grads = gnumel = padding = state_elems = 0
@@ -350,6 +346,16 @@ def adam_step(cfg: Any, device: str = "cuda") -> str:
     if device == "cpu":
         return "single"
     return "foreach" if _g(cfg, "torch_adam", False) else "fused"
+
+
+def dp_layout(cfg: Any) -> Tuple[bool, int, int, Optional[int]]:
+    """How DDP and the optimizer split a stage's parameters: (distributed optimizer, the dense DP size (DDP's
+    buffers use the DP x CP group), the expert DP size, stage 0's first-chunk bucket size (ddp_bucket_size)) -- the
+    arguments optimizer_groups and the step-transient functions take after `chunks`."""
+    return (bool(_g(cfg, "use_distributed_optimizer", False)),
+            _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1),
+            _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1),
+            ddp_bucket_size(cfg))
 
 
 def ddp_bucket_size(cfg: Any) -> Optional[int]:
