@@ -32,6 +32,7 @@ INDICATORS = {
     "x_tp": ("tp", True), "x_sm32": ("softmax_fp32", True), "x_bias": ("bias", True), "x_tied": ("tied", True),
     "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
     "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"), "x_fce": ("fuse_ce", "native"),
+    "x_mb1": ("mb1", True),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -68,6 +69,9 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # --cross-entropy-loss-fusion and its --cross-entropy-fusion-impl: the native one's scripted kernels hold one
     # more fp32 copy of the logits in forward on a GPU (measured on H100), TE's is its own kernel
     "fuse_ce": ("none", "native", "te"),
+    # A micro-batch of one sequence: [b, s, h] -> [s, b, h] by transpose(0, 1).contiguous() is then a view, no copy
+    # (the embedding's output, the loss's logits), so which tensors a segment frees changes at b = 1.
+    "mb1": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -671,6 +675,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
+        "mb1": v["b"] == 1,
     }
 
 

@@ -57,6 +57,8 @@ def domain(when: dict) -> tuple[set, dict]:
         ties.update({"fe": "f", "etp": "t"})
     elif when.get("moe") is True and when.get("moe_comm") is False:
         fixed.update(("ep", "etp"))     # an expert group of one rank
+    if when.get("mb1") is True:
+        fixed.add("b")
     return fixed, ties
 
 

@@ -10,6 +10,7 @@ combination was never traced is composed from parts measured in other combinatio
 the values the entry's runs had, and `measured` the parts each quantity was measured on.
 
     python -m fit.segment_fit TRACE_DIR... -o SET.json [--name NAME] [--jobs N] [--accept-damaged]
+    python -m fit.segment_fit TRACE_DIR... -o SET.json --update SET.json --labels PREFIX...   # refit some labels
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .switch_terms import measured_on, merge
 # The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
-                                    "dropout_mask", "fuse_ce")
+                                    "dropout_mask", "fuse_ce", "mb1")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
@@ -52,6 +53,31 @@ class Run:
         self.peaks = [int(r.peak_bytes) for r in ranks]
         self.backend = ranks[0].header.get("backend", "cpu")   # 'cuda' for a GPU trace
         self.device = ranks[0].header.get("device")
+
+
+# The switches that can change a label's allocations, where fewer than all (the longest matching label prefix
+# applies; a label without one may depend on any switch): a split on any other switch can only be a coincidence of
+# the campaign's design (runs that differ in it also differ in one of these) or noise, and its formula would then
+# extrapolate wrongly to combinations never traced (the attention's own code fitted on `activation`, say).
+# The embedding's lookups (the vocabulary-parallel one masks its input under TP) and its own code: the position
+# lookup's sum, the [b, s, h] -> [s, b, h] copy (a view at b = 1), the sequence-parallel scatter and clone, the
+# dropout and its mask; a tensor of TP's all-reduce that gloo's thread releases late on some CPU runs is noise a
+# split by `tp` must not fit. Attention and the MLP see the layer's shape switches, their own kernels and, through
+# the layer spec (Transformer Engine fuses the norm into linear_qkv and linear_fc1), the norm type.
+_EMBEDDING = ("position", "dropout", "dropout_mask", "sp", "mb1")
+_LAYER_PART = ("spec", "normalization", "dtype", "sp", "tp", "mb1")
+RELEVANT = {
+    "embedding": _EMBEDDING + ("tp",),
+    "embedding@": _EMBEDDING,
+    "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "dropout", "dropout_mask",
+                                              "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
+    "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "activation", "bias", "fuse_act"),
+}
+
+
+def relevant(label: str, switch: str) -> bool:
+    keys = [k for k in RELEVANT if label.startswith(k)]
+    return not keys or switch in RELEVANT[max(keys, key=len)]
 
 
 def candidates(label: str) -> list:
@@ -98,7 +124,7 @@ def _fit_part(label: str, q: str, runs: list, cache: dict, robust: bool = False)
         pts, ys, fixed, ties = _problem(label, q, runs)
         fit = _fit(list(zip(pts, ys)), candidates(label), fixed, ties)
         if isinstance(fit, str) and robust:
-            fit = _robust(list(zip(pts, ys, runs)), candidates(label), fixed, ties, fit)
+            fit = _robust(label, list(zip(pts, ys, runs)), candidates(label), fixed, ties, fit)
         cache[key] = fit
     return cache[key]
 
@@ -138,11 +164,11 @@ def _covered(fits: dict, runs: list, keys: tuple) -> int:
 OUTLIER_SHARE = 0.15   # at most this share of a part's runs may deviate from its formula (and are named)
 
 
-def _combination(r) -> tuple:
-    return tuple(r.switches.get(k) for k in ORDER)
+def _combination(label: str, r) -> tuple:
+    return tuple(r.switches.get(k) for k in ORDER if relevant(label, k))
 
 
-def _robust(data: list, cands: list, fixed, ties, reason: str):
+def _robust(label: str, data: list, cands: list, fixed, ties, reason: str):
     """The sparsest exact formula of all but a few runs (at most OUTLIER_SHARE, at least 5 kept), found by
     consensus: exact fits of small random samples of the runs (seeded), the first that all but such a few runs
     agree with is refitted on them. On CPU a free that gloo's thread makes a little earlier or later lands in a
@@ -166,8 +192,8 @@ def _robust(data: list, cands: list, fixed, ties, reason: str):
         dropped = [d[2] for d, ok in zip(data, agrees) if not ok]
         if len(dropped) > budget:
             continue
-        alike = Counter(_combination(r) for _, _, r in kept)
-        gone = Counter(_combination(r) for r in dropped)
+        alike = Counter(_combination(label, r) for _, _, r in kept)
+        gone = Counter(_combination(label, r) for r in dropped)
         if any(gone[c] >= alike[c] for c in gone):
             continue
         fit = _fit([(p, y) for p, y, _ in kept], cands, fixed, ties)
@@ -236,7 +262,7 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
     transient may depend on a switch that its saved bytes do not."""
     keys: tuple = ()
     fits = {k: _fit_part(label, q, rs, cache, robust=True) for k, rs in _parts(runs, keys).items()}
-    varying = [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1]
+    varying = [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1 and relevant(label, k)]
     if not isinstance(fits[()], str) and len(fits[()].terms) >= 3:
         # A pooled formula of many terms may be a coincidence of the traced shapes; where one switch splits the
         # runs into parts of fewer terms in all, the split is the simpler explanation (a held-out combination of
@@ -413,7 +439,9 @@ def _fit_one(label: str) -> tuple:
 
 
 def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
-             accept_damaged: bool = False) -> dict:
+             accept_damaged: bool = False, update: dict | None = None, only: tuple = ()) -> dict:
+    """A composed set from the runs; with `update` (a set's document) and `only` (label prefixes), that set with
+    only the labels starting with one of the prefixes refitted and the rest, its structure and provenance kept."""
     from estimator.formulas import FORMAT
     runs = [Run(p, accept_damaged) for p in expand_dirs(paths)]
     # Full and selective recompute are composed from the plain layer's segments (estimator/compose.py): a run with
@@ -422,6 +450,10 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
     if not runs:
         raise DatasetError("no runs to fit")
     labels = sorted({lb for r in runs for lb in r.samples})
+    if update is not None:
+        labels = [lb for lb in labels if lb.startswith(only)]
+        if not labels:
+            raise DatasetError(f"no label of these runs starts with {' or '.join(only)}")
     segments = []
     _RUNS[:] = runs
     if jobs > 1:
@@ -434,6 +466,16 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
         for i, label in enumerate(labels):
             segments += _fit_one(label)[1]
             print(f"  [{i + 1}/{len(labels)}] {label}", file=sys.stderr, flush=True)
+    if update is not None:
+        doc = dict(update)
+        old = update["segments"]
+        at = next((i for i, e in enumerate(old) if e["label"].startswith(only)), len(old))
+        kept = [e for e in old if not e["label"].startswith(only)]
+        at = sum(1 for e in old[:at] if not e["label"].startswith(only))   # in place, so a diff shows only them
+        doc["segments"] = kept[:at] + segments + kept[at:]
+        doc.setdefault("provenance", {}).setdefault("refits", []).append(
+            {"labels": list(only), "traces": [r.path for r in runs]})
+        return doc
     doc = {"format": FORMAT, "version": 2, "name": name, "kind": "fitted", "composed": True,
            "description": description or default_description(runs),
            "provenance": {"traces": [{"path": r.path, "config": r.config, "peaks": r.peaks} for r in runs],
@@ -458,12 +500,27 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="cpu_compose")
     ap.add_argument("--jobs", type=int, default=1, help="labels fitted in parallel (processes)")
     ap.add_argument("--description", default="", help="the set's description (default: what it was fitted from)")
+    ap.add_argument("--update", metavar="SET", help="refit only the --labels of this composed set, keeping the rest")
+    ap.add_argument("--labels", nargs="+", default=(), metavar="PREFIX",
+                    help="with --update: the label prefixes to refit (e.g. embedding)")
     ap.add_argument("--accept-damaged", action="store_true",
                     help="fit traces that are damaged, truncated or of runs that did not end cleanly (refused by "
                          "default)")
     a = ap.parse_args(argv)
+    if bool(a.update) != bool(a.labels):
+        print("fit.segment_fit: error: --update and --labels go together", file=sys.stderr)
+        return 2
     try:
-        doc = fit_runs(a.paths, a.name, a.description, jobs=max(1, a.jobs), accept_damaged=a.accept_damaged)
+        update = None
+        if a.update:
+            update = json.load(open(a.update, encoding="utf-8"))
+            if not (isinstance(update, dict) and update.get("composed") and isinstance(update.get("segments"), list)):
+                raise DatasetError(f"{a.update}: not a composed formula set")
+        doc = fit_runs(a.paths, a.name, a.description, jobs=max(1, a.jobs), accept_damaged=a.accept_damaged,
+                       update=update, only=tuple(a.labels))
+    except json.JSONDecodeError as exc:
+        print(f"fit.segment_fit: error: {a.update}: not JSON ({exc.msg}, line {exc.lineno})", file=sys.stderr)
+        return 2
     except (DatasetError, OSError, ValueError) as exc:
         print(f"fit.segment_fit: error: {exc}", file=sys.stderr)
         return 2

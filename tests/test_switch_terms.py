@@ -111,7 +111,83 @@ def test_a_combination_never_traced_is_predicted_from_real_runs_of_its_parts():
             assert got[i] == run.samples[label].values.get(q, 0), (run.path, q)
 
 
+def _packed_runs(*prefixes):
+    import os
+
+    import pytest
+
+    from fit.segment_fit import Run
+    packed = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "traces", "cpu_compose")
+    names = sorted(os.listdir(packed)) if os.path.isdir(packed) else []
+    out = [[Run(os.path.join(packed, n)) for n in names if n.startswith(p + "_s")] for p in prefixes]
+    if not all(out):
+        pytest.skip("packed cpu_compose traces absent")
+    return [r for group in out for r in group]
+
+
+def _predict(fset, label, run):
+    cache = ComposedCache.__new__(ComposedCache)
+    cache.fset, cache.env, cache._by_label, cache._parts = fset, F.variables(run.config), {label: list(fset.segments)}, {}
+    return cache._evaluate(label, F.switches(run.config))
+
+
+def test_embedding_free_composes_position_dropout_and_a_micro_batch_of_one():
+    """What the embedding frees once its dropout returns depends on the position type (the position lookup and the
+    sum), on dropout (its input) and on b = 1, where [b, s, h] -> [s, b, h] is a view and not a copy (the `mb1`
+    switch). Fitted on runs with rope or dropout but never both, it predicts GPT- and Llama-style runs with both,
+    b = 1 among them, to the byte; and the fit splits only on the switches that can change the embedding
+    (fit.segment_fit.RELEVANT), never on one the campaign happens to vary alongside (the activation, the norm)."""
+    from fit.segment_data import QUANTITIES
+    from fit.segment_fit import fit_label, relevant
+    label = "embedding@embedding_dropout"
+    fitted = _packed_runs("gpt_base", "gpt_dropout", "gpt_rope", "llama_base", "llama_learned")
+    held_out = _packed_runs("gpt_dropout_rope", "llama_dropout")
+    assert any(F.switches(r.config)["mb1"] for r in held_out) and not all(F.switches(r.config)["mb1"] for r in held_out)
+    entries = fit_label(label, fitted, {})
+    for e in entries:
+        used = set(e["when"]) | {k for parts in e.get("measured", {}).values() for p in parts for k in p}
+        assert used and all(relevant(label, k) for k in used), used
+    fset = _set_of(entries)
+    for run in held_out:
+        got = _predict(fset, label, run)
+        for i, q in enumerate(QUANTITIES[:2]):      # the forward: what the embedding keeps
+            assert got[i] == run.samples[label].values.get(q, 0), (run.path, q)
+
+
 def _set_of(entries):
     return F.from_dict({"format": F.FORMAT, "version": F.COMPOSED_VERSION, "name": "t", "kind": "fitted",
                         "composed": True, "formulas": [], "segments": entries,
                         "structure": [{"op": "step", "when": {}, "children": []}]})
+
+
+def test_update_refits_only_the_named_labels_in_place(tmp_path, capsys):
+    """fit.segment_fit --update SET --labels PREFIX: the labels with the prefix are refitted from the runs given, every
+    other entry, the structure and the provenance stay as they were and where they were; the refit is recorded."""
+    import json
+    import os
+
+    from fit.segment_fit import main
+    runs = _packed_runs("gpt_base", "gpt_rope")
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "sets",
+                           "cpu_compose.json")
+    out = tmp_path / "set.json"
+    assert main([r.path for r in runs] + ["-o", str(out), "--update", shipped, "--labels", "embedding@"]) == 0
+    old, new = json.load(open(shipped)), json.load(open(out))
+    label_of = lambda doc: [e["label"] for e in doc["segments"]]  # noqa: E731
+    assert [x for x in label_of(new) if not x.startswith("embedding@")] == \
+        [x for x in label_of(old) if not x.startswith("embedding@")]
+    first = label_of(old).index(next(x for x in label_of(old) if x.startswith("embedding@")))
+    assert label_of(new)[first].startswith("embedding@")      # in place
+    assert [e for e in new["segments"] if not e["label"].startswith("embedding@")] == \
+        [e for e in old["segments"] if not e["label"].startswith("embedding@")]
+    assert new["structure"] == old["structure"]
+    assert new["provenance"]["refits"][-1] == {"labels": ["embedding@"], "traces": [r.path for r in runs]}
+    refitted = {e["label"] for e in new["segments"] if e["label"].startswith("embedding@")}
+    assert "embedding@embedding_dropout" in refitted and all(
+        e["runs"] == len(runs) for e in new["segments"] if e["label"] == "embedding@embedding_dropout")
+    F.load(str(out))      # the estimator's loader takes it
+    capsys.readouterr()
+    assert main([runs[0].path, "-o", str(out), "--labels", "embedding@"]) == 2
+    assert main([runs[0].path, "-o", str(out), "--update", shipped, "--labels", "no_such_op"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("fit.segment_fit: error: ") for line in err), err
