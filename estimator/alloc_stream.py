@@ -118,8 +118,9 @@ class _Stack:
             self.st.free(self.items.pop()[0])
 
 
-# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept, freed) --
-# (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward: compose.py)
+# ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept, freed[,
+# grad]) (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward; a composed
+# one holds `grad` bytes, its output's gradient, from its group's first backward segment on: compose.py)
 def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -> list:
     """A chunk's forward as segments (forward delta / peak, backward delta / peak above the level)."""
     h = cache.hidden
@@ -198,7 +199,7 @@ def _composed(items: list, h: float, cache) -> list:
         if it[0] == "run":
             out += _composed(it[1], h, cache)
         elif it[0] == "ckpt":
-            out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3]))
+            out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3], it[2]))   # + its output's gradient
         else:
             fd, fp, bd, bp = it[1][:4]
             parts = cache.parts(it[1])
@@ -227,18 +228,25 @@ def _forward(prog: list, stack: _Stack) -> None:
             stack.push(it[2])
 
 
-def _backward(prog: list, stack: _Stack) -> None:
+def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
+    """hold: [bytes] a checkpoint's output gradient, kept from its group's first backward segment on (compose.py)."""
     for it in reversed(prog):
         if it[0] == "seg":
             if len(it) > 5:
                 stack.move(it[3], it[4], it[5][2], it[5][3])
             else:
                 stack.move(it[3], it[4])
+            if hold and hold[0]:
+                hold.append(stack.st.alloc(hold[0]))
+                hold[0] = 0.0
         else:   # recompute the group's forward, run its backward, then its input goes
             inner = _Stack(stack.st)
             _forward(it[1], inner)
-            _backward(it[1], inner)
+            grad = [it[4]] if len(it) > 4 else None    # composed: held as compose._replay_backward holds it
+            _backward(it[1], inner, grad)
             inner.clear()
+            if grad and len(grad) > 1:
+                stack.st.free(grad[1])
             stack.pop(it[3])
 
 

@@ -335,20 +335,28 @@ def _ckpt_forward(items: list, level: float, peak: float, rows: list, kept: floa
     return level + kept, max(peak, top)
 
 
-def _replay_backward(items: list, level: float, peak: float, bwd_rows: list) -> tuple:
+def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hold: list | None = None) -> tuple:
+    """hold: [bytes] a checkpoint's output gradient, added to the level once its group's first backward segment
+    (the node the plain segments free it after) has run."""
     for it in reversed(items):
         if it[0] == "run":
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows, hold)
             continue
         if it[0] == "ckpt":
-            # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it.
+            # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it. Its
+            # backward keeps the gradient of its output (megatron-core's CheckpointFunction.backward holds its
+            # arguments until it returns) after the group's first node, where the plain segments free it.
             level, peak = _replay_forward(it[1], level, peak, [])
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows)
-            level -= it[3]
+            grad = [it[2]]
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows, grad)
+            level -= it[2] - grad[0] + it[3]
             continue
         label, (_, _, bd, bp, _), op, layer = it
         peak = max(peak, level + bp)
         level += bd
+        if hold and hold[0]:
+            level += hold[0]
+            hold[0] = 0.0
         bwd_rows.append((op, layer, bp))
     return level, peak
 

@@ -27,6 +27,9 @@ CASES = [
     "--preset llama2_7b --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 "
     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
     "--preset mixtral_8x7b --expert-model-parallel-size 8 --use-distributed-optimizer --num-layers 4",
+    # a composed set: a checkpoint holds its output's gradient in its backward (compose._replay_backward)
+    "--preset llama2_7b --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations "
+    "--formulas cpu_compose",
 ]
 
 
