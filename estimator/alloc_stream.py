@@ -119,8 +119,8 @@ class _Stack:
 
 
 # ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept, freed[,
-# grad]) (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward; a composed
-# one holds `grad` bytes, its output's gradient, from its group's first backward segment on: compose.py)
+# grad, after]) (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward; a
+# composed one holds `grad` bytes, its output's gradient, once `after` of its backward segments ran: compose.py)
 def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -> list:
     """A chunk's forward as segments (forward delta / peak, backward delta / peak above the level)."""
     h = cache.hidden
@@ -199,7 +199,7 @@ def _composed(items: list, h: float, cache) -> list:
         if it[0] == "run":
             out += _composed(it[1], h, cache)
         elif it[0] == "ckpt":
-            out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3], it[2]))   # + its output's gradient
+            out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3], it[4], it[5]))
         else:
             fd, fp, bd, bp = it[1][:4]
             parts = cache.parts(it[1])
@@ -237,16 +237,18 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             else:
                 stack.move(it[3], it[4])
             if hold and hold[0]:
-                hold.append(stack.st.alloc(hold[0]))
-                hold[0] = 0.0
+                hold[1] -= 1
+                if hold[1] <= 0:
+                    hold.append(stack.st.alloc(hold[0]))
+                    hold[0] = 0.0
         else:   # recompute the group's forward, run its backward, then its input goes
             inner = _Stack(stack.st)
             _forward(it[1], inner)
-            grad = [it[4]] if len(it) > 4 else None    # composed: held as compose._replay_backward holds it
+            grad = [it[4], it[5]] if len(it) > 4 else None    # composed: held as compose._replay_backward holds it
             _backward(it[1], inner, grad)
             inner.clear()
-            if grad and len(grad) > 1:
-                stack.st.free(grad[1])
+            if grad and len(grad) > 2:
+                stack.st.free(grad[2])
             stack.pop(it[3])
 
 

@@ -148,8 +148,10 @@ class ComposedCache:
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
         """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items]) for a layer,
-        or ("ckpt", [items], kept, freed) for a checkpoint (a full-recompute group, or core attention under
-        selective recompute) keeping `kept` bytes across the forward and freeing `freed` after its backward."""
+        or ("ckpt", [items], kept, freed, grad, after) for a checkpoint (a full-recompute group, or core attention
+        under selective recompute) keeping `kept` bytes across the forward, holding `grad` more in its backward
+        once `after` of its segments ran (its output's gradient, which the plain segments free there) and freeing
+        `freed` after it."""
         from .activations import recomputed_groups
         out: list = []
         root_kids = [c for c in self.children(ROOT, self.sw)
@@ -171,7 +173,8 @@ class ComposedCache:
                 sw = dict(self.sw, moe=bool(moe_flags[i]))
                 self._expand(LAYER, i, sw, items)
                 self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder")
-            out.append(("ckpt", items, self.hidden, self.hidden) if ckpt else ("run", items))
+            out.append(("ckpt", items, self.hidden, self.hidden, self.hidden, _after_mlp(items)) if ckpt
+                       else ("run", items))
         if last:
             for c in self.children("decoder", self.sw):
                 if c != LAYER:
@@ -201,7 +204,7 @@ class ComposedCache:
                 if ckpt_at is not None:
                     deferred += _defer_frees(out, start)
         if ckpt_at is not None:
-            out[ckpt_at] += (self.context, self.context + deferred)
+            out[ckpt_at] += (self.context, self.context + deferred, self.context, 1)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
              expert: float | None = None) -> None:
@@ -212,6 +215,17 @@ class ComposedCache:
             # one local expert's segments take its share; the rest of the expert side the rank's
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
         out.append((label, self.values(label, sw, tokens), op or label, layer))
+
+
+def _after_mlp(items: list) -> int:
+    """Backward segments of a full-recompute group before its output's gradient is one more tensor than the plain
+    backward holds: the last layer's residual branch keeps that gradient as is through its MLP's backward; the
+    plain backward then adds the norm's input gradient into it (autograd reuses the buffer), while the checkpoint,
+    holding it, makes a new tensor for the sum."""
+    for i, it in enumerate(reversed(items)):
+        if it[0] == LAYER + ".mlp":
+            return i + 1
+    return 1
 
 
 def _defer_frees(out: list, start: int) -> float:
@@ -336,8 +350,8 @@ def _ckpt_forward(items: list, level: float, peak: float, rows: list, kept: floa
 
 
 def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hold: list | None = None) -> tuple:
-    """hold: [bytes] a checkpoint's output gradient, added to the level once its group's first backward segment
-    (the node the plain segments free it after) has run."""
+    """hold: [bytes, n] a checkpoint's output gradient, added to the level once n of its group's backward segments
+    ran (where the plain segments free it)."""
     for it in reversed(items):
         if it[0] == "run":
             level, peak = _replay_backward(it[1], level, peak, bwd_rows, hold)
@@ -345,18 +359,20 @@ def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hol
         if it[0] == "ckpt":
             # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it. Its
             # backward keeps the gradient of its output (megatron-core's CheckpointFunction.backward holds its
-            # arguments until it returns) after the group's first node, where the plain segments free it.
+            # arguments until it returns): `grad` bytes more from where the plain segments free it on.
             level, peak = _replay_forward(it[1], level, peak, [])
-            grad = [it[2]]
+            grad = [it[4], it[5]]
             level, peak = _replay_backward(it[1], level, peak, bwd_rows, grad)
-            level -= it[2] - grad[0] + it[3]
+            level -= it[4] - grad[0] + it[3]
             continue
         label, (_, _, bd, bp, _), op, layer = it
         peak = max(peak, level + bp)
         level += bd
         if hold and hold[0]:
-            level += hold[0]
-            hold[0] = 0.0
+            hold[1] -= 1
+            if hold[1] <= 0:
+                level += hold[0]
+                hold[0] = 0.0
         bwd_rows.append((op, layer, bp))
     return level, peak
 

@@ -90,15 +90,36 @@ def test_selective_recompute_composed_from_the_plain_twin(sel, plain):
     assert abs(predicted - measured) <= 0.002 * measured, (sel, predicted, measured)
 
 
+TWINS = os.path.join(ROOT, "fit", "traces", "cpu_recompute_twins")
+
+
+@pytest.mark.parametrize("name", ["gpt_s128_b1_h64_a8", "llama_dropout_s96_b2_h96_a6"])
+def test_full_recompute_composed_from_the_plain_twin(name):
+    """Full recompute (uniform, one layer per group) is composed from the plain layer's segments too: each traced
+    run is predicted from its plain twin's measured segments within 0.2%. The GPT-style twin's peak sits in the last
+    layer's attention backward, where the checkpoint holds its output's gradient on top of what the plain backward
+    holds (the plain one reused that buffer for the residual sum); the Llama-style twin's sits in its MLP's backward,
+    where both hold it (compose._after_mlp)."""
+    full, plain = (os.path.join(TWINS, f"{name}_{k}") for k in ("full", "plain"))
+    if not (os.path.isdir(full) and os.path.isdir(plain)):
+        pytest.skip("recompute twins not packed")
+    predicted, measured, argv = _estimate(full, _constant_set(Run(plain)), "cpu")
+    assert "full" in argv
+    assert abs(predicted - measured) <= 0.002 * measured, (name, predicted, measured)
+
+
 GPU_PACKED = os.path.join(ROOT, "fit", "traces", "gpu_h100")
 
 
 @pytest.mark.parametrize("sel,plain", [("gpt_selective_s768_b3_h512_a8", "gpt_base_s768_b3_h512_a8"),
-                                       ("gpt_selective_local_s1024_b2_h1024_a16", "gpt_local_s1024_b2_h1024_a16")])
-def test_selective_recompute_composed_on_h100_traces(sel, plain):
-    """The same on the H100 traces (TE stand-ins with torch's flash attention; local spec): the peak's change from
-    the plain run to the selective one is predicted to within 0.05% of the peak. (A difference: the GPU runtime
-    buffers the estimate adds and a tracing-allocator trace lacks are the same in both.)"""
+                                       ("gpt_selective_local_s1024_b2_h1024_a16", "gpt_local_s1024_b2_h1024_a16"),
+                                       ("gpt_full_s1024_b2_h1024_a16", "gpt_base_s1024_b2_h1024_a16"),
+                                       ("llama_full_s768_b3_h512_a8", "llama_base_s768_b3_h512_a8")])
+def test_recompute_composed_on_h100_traces(sel, plain):
+    """The same on the H100 traces (TE stand-ins with torch's flash attention; local spec), selective and full
+    recompute (uniform, one layer per group): the peak's change from the plain run to the recomputing one is
+    predicted to within 0.05% of the peak. (A difference: the GPU runtime buffers the estimate adds and a
+    tracing-allocator trace lacks are the same in both.)"""
     fset = _constant_set(Run(os.path.join(GPU_PACKED, plain)))
     p_sel, m_sel, _ = _estimate(os.path.join(GPU_PACKED, sel), fset, "cuda")
     p_plain, m_plain, _ = _estimate(os.path.join(GPU_PACKED, plain), fset, "cuda")
