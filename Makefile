@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test bench fuzz accuracy reserved gpu-validation clean
+.PHONY: example test bench fuzz accuracy reserved gpu-validation recompute-twins clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ reserved: $(VENV)/.test-ready
 # The committed H100 validation runs (fit/validation/h100) against the estimate and the allocator model (seconds).
 gpu-validation: $(VENV)/.test-ready
 	$(PY) benchmarks/gpu_validation.py
+
+# Recompute composed from each packed recomputing run's plain twin's measured segments, no fit involved (seconds).
+recompute-twins: $(VENV)/.test-ready
+	$(PY) benchmarks/recompute_twins.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -229,7 +229,8 @@ def _forward(prog: list, stack: _Stack) -> None:
 
 
 def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
-    """hold: [bytes] a checkpoint's output gradient, kept from its group's first backward segment on (compose.py)."""
+    """hold: [bytes, n] a checkpoint's output gradient, allocated once n of its group's backward segments ran
+    (compose._replay_backward); the block's id is appended."""
     for it in reversed(prog):
         if it[0] == "seg":
             if len(it) > 5:

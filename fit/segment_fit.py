@@ -431,6 +431,17 @@ def fit_structure(runs: list) -> list[dict]:
     return out
 
 
+def measured_set(run: Run):
+    """A composed set of constants: one run's own measured segment values and op structure. Replaying it through
+    the estimator checks the composition (the walk, the replay, recompute) with no fit involved."""
+    from estimator import formulas as F
+    segs = [{"label": label, "when": {}, "seen": {},
+             **{q: ([{"coef": int(s.values[q]), "vars": {}}] if s.values.get(q) else []) for q in QUANTITIES}}
+            for label, s in run.samples.items()]
+    return F.from_dict({"format": F.FORMAT, "version": F.COMPOSED_VERSION, "name": "one-run", "kind": "fitted",
+                        "composed": True, "formulas": [], "segments": segs, "structure": fit_structure([run])})
+
+
 _RUNS: list = []   # the runs being fitted, shared with forked workers
 
 

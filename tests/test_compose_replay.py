@@ -9,12 +9,10 @@ import os
 
 import pytest
 
-from estimator import formulas as F
 from estimator.args import parse_args
 from estimator.memory import estimate
 from fit.dataset import header_kernels
-from fit.segment_data import QUANTITIES
-from fit.segment_fit import Run, fit_structure
+from fit.segment_fit import Run, measured_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKED = os.path.join(ROOT, "fit", "traces", "cpu_compose")
@@ -22,24 +20,12 @@ RUNS = ["gpt_base_s64_b2_h64_a4", "llama_tp2sp_s48_b3_h128_a8", "gpt_dropout_rop
         "llama_moe_s96_b1_h96_a6", "gpt_moe_ep2_s80_b2_h96_a4", "gpt_bf16_s48_b2_h64_a4"]
 
 
-def _constant_set(run: Run) -> F.FormulaSet:
-    segs = []
-    for label, smp in run.samples.items():
-        e = {"label": label, "when": {}, "seen": {}}
-        for q in QUANTITIES:
-            v = smp.values.get(q)
-            e[q] = [{"coef": int(v), "vars": {}}] if v else []
-        segs.append(e)
-    return F.from_dict({"format": F.FORMAT, "version": F.COMPOSED_VERSION, "name": "one-run", "kind": "fitted",
-                        "composed": True, "formulas": [], "segments": segs, "structure": fit_structure([run])})
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_replaying_measured_segments_gives_the_measured_peak(name):
     path = os.path.join(PACKED, name)
     if not os.path.isdir(path):
         pytest.skip(f"{path} not packed")
-    predicted, _, _ = _estimate(path, _constant_set(Run(path)), "cpu")   # CPU runs: no GPU-only runtime buffers
+    predicted, _, _ = _estimate(path, measured_set(Run(path)), "cpu")   # CPU runs: no GPU-only runtime buffers
     with open(os.path.join(path, "rank0.json"), encoding="utf-8") as fh:
         world = json.load(fh)["world_size"]
     for r in range(world):
@@ -84,7 +70,7 @@ def test_selective_recompute_composed_from_the_plain_twin(sel, plain):
     for name in (sel, plain):
         if not os.path.isdir(os.path.join(PACKED, name)):
             pytest.skip(f"{name} not packed")
-    fset = _constant_set(Run(os.path.join(PACKED, plain)))
+    fset = measured_set(Run(os.path.join(PACKED, plain)))
     predicted, measured, argv = _estimate(os.path.join(PACKED, sel), fset, "cpu")
     assert "--recompute-activations" in argv
     assert abs(predicted - measured) <= 0.002 * measured, (sel, predicted, measured)
@@ -103,7 +89,7 @@ def test_full_recompute_composed_from_the_plain_twin(name):
     full, plain = (os.path.join(TWINS, f"{name}_{k}") for k in ("full", "plain"))
     if not (os.path.isdir(full) and os.path.isdir(plain)):
         pytest.skip("recompute twins not packed")
-    predicted, measured, argv = _estimate(full, _constant_set(Run(plain)), "cpu")
+    predicted, measured, argv = _estimate(full, measured_set(Run(plain)), "cpu")
     assert "full" in argv
     assert abs(predicted - measured) <= 0.002 * measured, (name, predicted, measured)
 
@@ -120,8 +106,25 @@ def test_recompute_composed_on_h100_traces(sel, plain):
     recompute (uniform, one layer per group): the peak's change from the plain run to the recomputing one is
     predicted to within 0.05% of the peak. (A difference: the GPU runtime buffers the estimate adds and a
     tracing-allocator trace lacks are the same in both.)"""
-    fset = _constant_set(Run(os.path.join(GPU_PACKED, plain)))
+    fset = measured_set(Run(os.path.join(GPU_PACKED, plain)))
     p_sel, m_sel, _ = _estimate(os.path.join(GPU_PACKED, sel), fset, "cuda")
     p_plain, m_plain, _ = _estimate(os.path.join(GPU_PACKED, plain), fset, "cuda")
     assert m_sel < m_plain          # what is being predicted: the bytes selective recompute saves
     assert abs((p_sel - p_plain) - (m_sel - m_plain)) <= 0.0005 * m_sel, (sel, p_sel - p_plain, m_sel - m_plain)
+
+
+def test_recompute_twins_benchmark_pairs_every_packed_twin(tmp_path):
+    """benchmarks/recompute_twins.py finds each packed recomputing run's plain twin (selective and full) and
+    reports them; the pairs the tests above check are among its rows, with the same errors."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("recompute_twins", os.path.join(ROOT, "benchmarks",
+                                                                                  "recompute_twins.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--json", str(out)]) == 0
+    rows = {os.path.basename(r["run"]): r for r in json.load(open(out))}
+    assert {r["recompute"] for r in rows.values()} == {"selective", "full"}
+    for sel, plain in SELECTIVE_TWINS:
+        if sel in rows:
+            assert rows[sel]["twin"] == plain and abs(rows[sel]["err_pct"]) <= 0.2, rows[sel]
