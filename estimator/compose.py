@@ -247,6 +247,9 @@ def term_tensors(terms, env) -> list:
     formulas give bytes, not tensors, and equal-shape tensors are what a small integer coefficient usually counts."""
     out = []
     for t in terms:
+        if isinstance(t, F.MaxTerm):     # the larger pattern's own tensors
+            out += term_tensors(max(t.alternatives, key=lambda alt: _sum(alt, env)), env)
+            continue
         v = t.value(env)
         if not v:
             continue

@@ -103,6 +103,19 @@ class Term:
 
 
 @dataclass(frozen=True)
+class MaxTerm:
+    """A transient that is the larger of alternative allocation patterns (segment quantities of composed sets,
+    FORMATS 4.1 `{"max": [[terms], [terms]]}`): each alternative a sum of terms. Evaluates like one term (a
+    coefficient of 1 and no variables of its own, so a quantity holding it is one tensor in the allocation stream)."""
+    alternatives: Tuple[Tuple[Term, ...], ...]
+    coef: int = 1
+    vars: Tuple[Tuple[str, int], ...] = ()
+
+    def value(self, env: Mapping[str, float]) -> float:
+        return max(sum(t.value(env) for t in alt) for alt in self.alternatives)
+
+
+@dataclass(frozen=True)
 class Formula:
     op: str
     per: str
@@ -268,9 +281,18 @@ def _coef_value(raw: Any) -> Optional[Fraction]:
     return None
 
 
-def _terms(raw: Any, where: str) -> Optional[Tuple[Term, ...]]:
+def _terms(raw: Any, where: str, allow_max: bool = False) -> Optional[Tuple[Term, ...]]:
     """The terms of one quantity. Well-formed input takes the fast path below; anything it does not accept is
-    checked term by term by _terms_checked (same result, or the error message naming the bad term)."""
+    checked term by term by _terms_checked (same result, or the error message naming the bad term). allow_max: a
+    segment quantity may be the larger of alternatives (MaxTerm)."""
+    if allow_max and raw.__class__ is dict and set(raw) == {"max"}:
+        alts = raw["max"]
+        if not isinstance(alts, list) or len(alts) < 2:
+            raise FormulaError(f"{where}.max: expected a list of at least two term lists")
+        parsed = tuple(_terms_checked(alt, f"{where}.max[{i}]") for i, alt in enumerate(alts))
+        if any(alt is None for alt in parsed):
+            raise FormulaError(f"{where}.max: an alternative cannot be null")
+        return (MaxTerm(parsed),)
     if raw.__class__ is not list:
         return _terms_checked(raw, where)
     out = []
@@ -409,7 +431,7 @@ def _segments(doc: dict, src: str) -> List[SegmentFormula]:
         if not isinstance(raw_seen, dict) or any(k not in SWITCHES or not isinstance(v, list)
                                                  for k, v in raw_seen.items()):
             raise FormulaError(f"{w}: 'seen' maps switches to lists of values")
-        out.append(SegmentFormula(e["label"], when, tuple(_terms(e[q], f"{w}.{q}") if q in e else NOT_GIVEN
+        out.append(SegmentFormula(e["label"], when, tuple(_terms(e[q], f"{w}.{q}", True) if q in e else NOT_GIVEN
                                                           for q in SEGMENT_QUANTITIES),
                                   tuple(sorted((k, tuple(v)) for k, v in raw_seen.items())),
                                   _measured(e.get("measured"), w)))

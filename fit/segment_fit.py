@@ -20,6 +20,7 @@ import sys
 from collections import Counter
 
 from estimator.compose import STRUCTURE_SWITCHES   # the estimator checks combinations of the same switches
+from estimator import moe_tokens
 from estimator.formulas import switches as config_switches
 
 from . import basis
@@ -223,6 +224,67 @@ def _bound(label: str, q: str, runs: list, reason: str):
         return reason
 
 
+class MaxFit:
+    """A transient that is the larger of two allocation patterns, each fitted on the runs where it is the larger
+    (FORMATS 4.1 `{"max": ...}`)."""
+
+    def __init__(self, alternatives: list, notes: list):
+        self.alternatives, self.notes = alternatives, notes
+
+    def predict(self, point) -> float:
+        return max(float(alt.predict(point)) for alt in self.alternatives)
+
+
+MAX_MINORITY = 0.45   # the second pattern may be the larger on at most this share of the runs
+
+
+def _max_fit(label: str, q: str, runs: list, reason: str):
+    """A transient no single formula fits, as the larger of two formulas: the first exact on most runs (found by
+    consensus, as _robust, but every run it misses must lie above it), the second exact on those runs, else their
+    upper bound within PEAK_BOUND of their peaks; the larger of the two exact where the first is the larger and
+    never under a run. Core attention's backward on CPU: three score tensors on every run but the short sequences,
+    where another point of the backward holds more. A single bound would trade the score tensors' coefficient for
+    terms that do not grow with s and under-predict every longer sequence; the larger of two patterns extrapolates
+    as each does. Else the reason."""
+    import random
+    pts, ys, fixed, ties = _problem(label, q, runs)
+    peaks = [max(r.peaks) for r in runs]
+    n = len(pts)
+    if n < 8:
+        return reason
+    cands = candidates(label)
+    rng = random.Random(n + 1)
+    for _ in range(ROBUST_TRIES):
+        sample = rng.sample(range(n), min(ROBUST_SAMPLE, n))
+        try:
+            trial = fit_group([pts[i] for i in sample], [ys[i] for i in sample], cands, fixed=fixed, ties=ties,
+                              max_terms=4)
+        except FitRefused:
+            continue
+        guess = [float(trial.predict(p)) for p in pts]
+        off = [i for i in range(n) if abs(guess[i] - ys[i]) > SLACK_BYTES]
+        if not off or len(off) > MAX_MINORITY * n or any(guess[i] > ys[i] for i in off):
+            continue
+        on = [i for i in range(n) if i not in set(off)]
+        first = _fit([(pts[i], ys[i]) for i in on], cands, fixed, ties)
+        if isinstance(first, str):
+            continue
+        second = _fit([(pts[i], ys[i]) for i in off], cands, fixed, ties)
+        if isinstance(second, str):   # the other pattern varies more than one formula says: its upper bound
+            try:
+                second = bound_fit([pts[i] for i in off], [ys[i] for i in off], cands, PEAK_BOUND,
+                                   [peaks[i] for i in off], max_terms=4, fixed=fixed, ties=ties)
+            except FitRefused:
+                continue
+        alt = MaxFit([first, second], [])
+        over = [alt.predict(pts[i]) - ys[i] for i in range(n)]
+        if all(d >= -SLACK_BYTES for d in over) and all(over[i] <= SLACK_BYTES for i in on) and \
+                all(over[i] <= PEAK_BOUND * peaks[i] for i in off):
+            alt.notes.append(f"the larger of two patterns: {first} on {len(on)} runs, {second} on {len(off)}")
+            return alt
+    return reason
+
+
 APPROXIMATE = 0.10
 
 
@@ -277,6 +339,12 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
                 best = (size, k, trial)
         if best is not None:
             return (best[1],), best[2]
+    if q.endswith("_peak") and isinstance(fits[()], str) and not moe_tokens.routed(label):
+        # A transient that is the larger of two allocation patterns, each exact: no split by switches needed.
+        # (Not for routed MoE labels: the estimator scales their token terms, which a maximum does not expose.)
+        larger = _max_fit(label, q, runs, fits[()])
+        if not isinstance(larger, str):
+            return keys, {(): larger}
     if q.endswith("_peak") and isinstance(fits[()], str):
         # A transient that is a maximum over allocation patterns has no exact formula, split or not: bounded
         # on all runs within PEAK_BOUND of each run's peak, it needs no split by switches.
@@ -325,6 +393,10 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
         if not any(q in r.samples[label].values for r in runs):
             continue
         keys, fits = split_quantity(label, q, runs, cache)
+        if isinstance(fits.get(()), MaxFit):     # pooled, the larger of two patterns: written as is
+            pooled[q] = {"max": [_written(_in_e(alt.terms, runs)) for alt in fits[()].alternatives]}
+            notes += _notes(q, fits)
+            continue
         done = {part: v for part, v in fits.items() if not isinstance(v, str)}
         parts = _parts(runs, keys)
         merged = merge(keys, {part: _in_e(v.terms, parts[part]) for part, v in done.items()})
@@ -344,8 +416,9 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
         entry = _entry(label, runs, (), ())
         for q in QUANTITIES:
             if q in pooled or not by_keys:
-                entry[q] = None if q in pooled and pooled[q] is None else [
-                    {"coef": _coef(c), "vars": dict(m)} for c, m in pooled.get(q) or []]
+                got = pooled.get(q)
+                entry[q] = None if q in pooled and got is None else got if isinstance(got, dict) else \
+                    _written(got or [])
         if measured:
             entry["measured"] = measured
         if notes:
@@ -357,7 +430,7 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
             part_notes = []
             for q, fits in qfits.items():
                 v = fits[part]
-                entry[q] = None if isinstance(v, str) else [{"coef": _coef(c), "vars": dict(m)} for c, m in v.terms]
+                entry[q] = None if isinstance(v, str) else _written(v.terms)
                 part_notes += _notes(q, {part: v})
             if part_notes:
                 entry["note"] = "; ".join(part_notes)
@@ -392,8 +465,13 @@ def _notes(q: str, fits: dict) -> list:
         if isinstance(v, str):
             out.append(f"{q}{where}: {v}")
         else:
-            out += [f"{q}{where}: {n}" for n in v.notes if any(w in n for w in ("deviate", "within", "bound"))]
+            out += [f"{q}{where}: {n}" for n in v.notes
+                    if any(w in n for w in ("deviate", "within", "bound", "patterns"))]
     return out
+
+
+def _written(terms) -> list:
+    return [{"coef": _coef(c), "vars": dict(m)} for c, m in terms]
 
 
 def _coef(c):
@@ -449,6 +527,11 @@ def _fit_one(label: str) -> tuple:
     return label, fit_label(label, [r for r in _RUNS if label in r.samples], {})
 
 
+def selected(label: str, only: tuple) -> bool:
+    """Whether --labels selects a label: each a prefix, or with a trailing `$` the label itself."""
+    return any(label == p[:-1] if p.endswith("$") else label.startswith(p) for p in only)
+
+
 def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
              accept_damaged: bool = False, update: dict | None = None, only: tuple = ()) -> dict:
     """A composed set from the runs; with `update` (a set's document) and `only` (label prefixes), that set with
@@ -462,9 +545,9 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
         raise DatasetError("no runs to fit")
     labels = sorted({lb for r in runs for lb in r.samples})
     if update is not None:
-        labels = [lb for lb in labels if lb.startswith(only)]
+        labels = [lb for lb in labels if selected(lb, only)]
         if not labels:
-            raise DatasetError(f"no label of these runs starts with {' or '.join(only)}")
+            raise DatasetError(f"no label of these runs matches {' or '.join(only)}")
     segments = []
     _RUNS[:] = runs
     if jobs > 1:
@@ -480,9 +563,9 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
     if update is not None:
         doc = dict(update)
         old = update["segments"]
-        at = next((i for i, e in enumerate(old) if e["label"].startswith(only)), len(old))
-        kept = [e for e in old if not e["label"].startswith(only)]
-        at = sum(1 for e in old[:at] if not e["label"].startswith(only))   # in place, so a diff shows only them
+        at = next((i for i, e in enumerate(old) if selected(e["label"], only)), len(old))
+        kept = [e for e in old if not selected(e["label"], only)]
+        at = sum(1 for e in old[:at] if not selected(e["label"], only))   # in place, so a diff shows only them
         doc["segments"] = kept[:at] + segments + kept[at:]
         doc.setdefault("provenance", {}).setdefault("refits", []).append(
             {"labels": list(only), "traces": [r.path for r in runs]})
@@ -513,7 +596,8 @@ def main(argv=None) -> int:
     ap.add_argument("--description", default="", help="the set's description (default: what it was fitted from)")
     ap.add_argument("--update", metavar="SET", help="refit only the --labels of this composed set, keeping the rest")
     ap.add_argument("--labels", nargs="+", default=(), metavar="PREFIX",
-                    help="with --update: the label prefixes to refit (e.g. embedding)")
+                    help="with --update: the label prefixes to refit (e.g. embedding; a trailing $ selects one "
+                         "label exactly)")
     ap.add_argument("--accept-damaged", action="store_true",
                     help="fit traces that are damaged, truncated or of runs that did not end cleanly (refused by "
                          "default)")

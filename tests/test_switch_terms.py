@@ -191,3 +191,46 @@ def test_update_refits_only_the_named_labels_in_place(tmp_path, capsys):
     assert main([runs[0].path, "-o", str(out), "--update", shipped, "--labels", "no_such_op"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("fit.segment_fit: error: ") for line in err), err
+
+
+def test_a_transient_of_two_patterns_is_fitted_as_their_maximum_and_extrapolates():
+    """Core attention's backward holds three score tensors (3*a*b*s^2*e/t) on every traced run except the short
+    sequences, where another point of its backward holds more. No single formula fits; an upper bound fitted on
+    small runs trades the s^2 coefficient for terms that do not grow. Fitted as the larger of two patterns (FORMATS
+    4.1 `{"max": ...}`) on runs with s <= 96, it predicts every s = 128 run exactly, and the loader reads it back."""
+    from fractions import Fraction as Fr
+
+    from fit.segment_fit import MaxFit, fit_label, split_quantity
+    label = "layers.*.self_attention.core_attention"
+    runs = _packed_runs("gpt_base", "gpt_tp2", "llama_base", "llama_tp2", "gpt_gqa", "gpt_rope", "gpt_swiglu")
+    small = [r for r in runs if r.point["s"] <= 96]
+    large = [r for r in runs if r.point["s"] > 96]
+    assert large and any(r.point["s"] == 32 for r in small)
+    keys, fits = split_quantity(label, "bwd_peak", small, {})
+    assert keys == () and isinstance(fits[()], MaxFit)
+    first = fits[()].alternatives[0]
+    assert first.terms == [(Fr(3), parse_monomial("s*s*b*a*e/t"))]
+    fset = _set_of([e for e in fit_label(label, small, {}) if not e["when"]])
+    assert any(isinstance(t, F.MaxTerm) for sf in fset.segments for t in (sf.quantities[3] or ()))
+    for run in large:
+        assert _predict(fset, label, run)[3] == run.samples[label].values["bwd_peak"], run.path
+
+
+def test_the_loader_reads_a_maximum_only_where_it_belongs():
+    """A segment quantity may be {"max": [terms, terms, ...]} (two alternatives at least); a version-1 formula's may
+    not. The estimator evaluates it as the larger alternative."""
+    import pytest
+
+    seg = {"label": "x", "when": {}, "seen": {}, "fwd_delta": [], "fwd_peak": [], "bwd_delta": [],
+           "bwd_peak": {"max": [[{"coef": 3, "vars": {"s": 2}}], [{"coef": 40, "vars": {"s": 1}}]]}}
+    fset = _set_of([seg])
+    (term,) = fset.segments[0].quantities[3]
+    assert term.value({"s": 8}) == 320 and term.value({"s": 32}) == 3072
+    for bad in ({"max": [[{"coef": 3, "vars": {"s": 2}}]]}, {"max": [[{"coef": 3}], None]}, {"max": "x"}):
+        with pytest.raises(F.FormulaError, match="max"):
+            _set_of([dict(seg, bwd_peak=bad)])
+    v1 = {"format": F.FORMAT, "version": 1, "name": "t", "kind": "fitted", "description": "", "provenance": {},
+          "formulas": [{"op": "x", "per": "layer", "when": {}, "saved": [], "fwd_peak": [],
+                        "bwd_peak": {"max": [[{"coef": 1}], [{"coef": 2}]]}}]}
+    with pytest.raises(F.FormulaError):
+        F.from_dict(v1)
