@@ -186,6 +186,9 @@ def test_update_refits_only_the_named_labels_in_place(tmp_path, capsys):
     assert "embedding@embedding_dropout" in refitted and all(
         e["runs"] == len(runs) for e in new["segments"] if e["label"] == "embedding@embedding_dropout")
     F.load(str(out))      # the estimator's loader takes it
+    from fit.segment_fit import selected     # a trailing $: the label itself, not its subtree
+    assert selected("embedding@x", ("embedding@",)) and selected("embedding", ("embedding$",))
+    assert not selected("embedding@x", ("embedding$",)) and not selected("embedding.word", ("embedding@",))
     capsys.readouterr()
     assert main([runs[0].path, "-o", str(out), "--labels", "embedding@"]) == 2
     assert main([runs[0].path, "-o", str(out), "--update", shipped, "--labels", "no_such_op"]) == 2
