@@ -19,26 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from estimator.args import parse_args  # noqa: E402
 from estimator.memory import estimate  # noqa: E402
-from fit.dataset import header_kernels  # noqa: E402
+from fit.dataset import run_argv, traced_config  # noqa: E402
 from fit.segment_fit import Run, measured_set  # noqa: E402
 
 DIRS = [os.path.join(ROOT, "fit", "traces", d) for d in ("cpu_compose", "cpu_recompute_twins")]
 RECOMPUTE_FLAGS = {"--recompute-activations": 0, "--recompute-granularity": 1, "--recompute-method": 1,
                    "--recompute-num-layers": 1}
 TOLERANCE = 0.2   # %
-
-
-def _argv(path: str) -> tuple[list, int]:
-    with open(os.path.join(path, "rank0.json"), encoding="utf-8") as fh:
-        hdr = json.load(fh)
-    argv = hdr["argv"]
-    info = os.path.join(path, "campaign.json")
-    if os.path.isfile(info):
-        with open(info, encoding="utf-8") as fh:
-            argv = json.load(fh)["argv"]
-    return argv, hdr.get("world_size", 1)
 
 
 def _without_recompute(argv: list) -> tuple:
@@ -53,27 +41,23 @@ def _without_recompute(argv: list) -> tuple:
     return tuple(out)
 
 
-def twins() -> list[tuple[str, str]]:
-    """(recompute run, plain twin) directory pairs."""
+def twins() -> list[tuple[str, str, list]]:
+    """(recompute run, plain twin, the recompute run's flags) directory pairs."""
     out = []
     for d in DIRS:
         if not os.path.isdir(d):
             continue
-        runs = {n: _argv(os.path.join(d, n))[0] for n in sorted(os.listdir(d))
+        runs = {n: run_argv(os.path.join(d, n))[0] for n in sorted(os.listdir(d))
                 if os.path.isfile(os.path.join(d, n, "rank0.json"))}
         plain = {_without_recompute(a): n for n, a in runs.items() if _without_recompute(a) == tuple(a)}
-        out += [(os.path.join(d, n), os.path.join(d, plain[_without_recompute(a)])) for n, a in runs.items()
+        out += [(os.path.join(d, n), os.path.join(d, plain[_without_recompute(a)]), a) for n, a in runs.items()
                 if _without_recompute(a) != tuple(a) and _without_recompute(a) in plain]
     return out
 
 
 def predict(path: str, fset) -> tuple[int, float]:
     """(measured, predicted) rank-0 peak of the run at `path`."""
-    argv, world = _argv(path)
-    with open(os.path.join(path, "rank0.json"), encoding="utf-8") as fh:
-        hdr = json.load(fh)
-    cfg = parse_args(["--nproc_per_node", str(world)] + argv)
-    cfg.kernels = header_kernels(hdr)
+    cfg, hdr, _ = traced_config(path)
     return hdr["allocator_peak_bytes"], estimate(cfg, fset, device="cpu").ranks[0].peak_bytes
 
 
@@ -82,10 +66,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     a = ap.parse_args(argv)
     rows = []
-    for rec, plain in twins():
+    for rec, plain, flags in twins():
         measured, predicted = predict(rec, measured_set(Run(plain)))
         err = 100.0 * (predicted - measured) / measured
-        kind = "full" if "full" in _argv(rec)[0] else "selective"
+        kind = "full" if "full" in flags else "selective"
         rows.append({"run": os.path.relpath(rec, ROOT), "twin": os.path.basename(plain), "recompute": kind,
                      "measured": measured, "predicted": predicted, "err_pct": err})
         print(f"{kind:9s} {os.path.basename(rec):48s} measured {measured / 1024:10.1f} KiB  predicted "

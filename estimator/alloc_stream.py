@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from . import activations as A
 from . import schedule as S
+from .compose import grad_due
 from .static_memory import DTYPE_BYTES, chunk_buffer, dp_layout, optimizer_groups, precision
 
 MAX_GROUPS = 1       # microbatch groups replayed before the last partial one (the steady state repeats after)
@@ -237,11 +238,9 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
                 stack.move(it[3], it[4], it[5][2], it[5][3])
             else:
                 stack.move(it[3], it[4])
-            if hold and hold[0]:
-                hold[1] -= 1
-                if hold[1] <= 0:
-                    hold.append(stack.st.alloc(hold[0]))
-                    hold[0] = 0.0
+            due = grad_due(hold)
+            if due:
+                hold.append(stack.st.alloc(due))
         else:   # recompute the group's forward, run its backward, then its input goes
             inner = _Stack(stack.st)
             _forward(it[1], inner)

@@ -370,14 +370,21 @@ def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hol
             continue
         label, (_, _, bd, bp, _), op, layer = it
         peak = max(peak, level + bp)
-        level += bd
-        if hold and hold[0]:
-            hold[1] -= 1
-            if hold[1] <= 0:
-                level += hold[0]
-                hold[0] = 0.0
+        level += bd + grad_due(hold)
         bwd_rows.append((op, layer, bp))
     return level, peak
+
+
+def grad_due(hold: list | None) -> float:
+    """After one backward segment of a checkpoint's group: the bytes of its held output gradient if they become
+    held now ([bytes, segments left], counted down here; compose and estimator.alloc_stream), else 0."""
+    if not hold or not hold[0]:
+        return 0.0
+    hold[1] -= 1
+    if hold[1] > 0:
+        return 0.0
+    due, hold[0] = hold[0], 0.0
+    return due
 
 
 # GPU kernel families a composed set measures on CPU stand-ins (tracer/standins.py, docs/STANDINS.md): switch value

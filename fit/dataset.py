@@ -173,6 +173,29 @@ def parsed_run(path: str, accept_damaged: bool = False) -> tuple[list, dict, dic
     return ranks, hdr, cfg
 
 
+def run_argv(path: str) -> tuple[list, dict]:
+    """(argv, rank-0 header) of a traced run directory: the flags of its campaign.json (the command line as the
+    campaign launched it) where it has one, else those its header recorded."""
+    import json
+    with open(os.path.join(path, "rank0.json"), encoding="utf-8") as fh:
+        hdr = json.load(fh)
+    argv = hdr["argv"]
+    if os.path.isfile(os.path.join(path, "campaign.json")):
+        with open(os.path.join(path, "campaign.json"), encoding="utf-8") as fh:
+            argv = json.load(fh)["argv"]
+    return argv, hdr
+
+
+def traced_config(path: str) -> tuple:
+    """(estimator config, rank-0 header, argv) of a traced run directory: its flags (run_argv) on its world size,
+    with the kernel families it ran."""
+    from estimator.args import parse_args
+    argv, hdr = run_argv(path)
+    cfg = parse_args(["--nproc_per_node", str(hdr.get("world_size", 1))] + argv)
+    cfg.kernels = header_kernels(hdr)
+    return cfg, hdr, argv
+
+
 def header_kernels(hdr: dict) -> dict:
     """The kernel families a run had (tracer.standins), from its header; traced before they were recorded: the
     CPU kernels (estimator.formulas.CPU_KERNELS)."""

@@ -176,19 +176,11 @@ def _robust(label: str, data: list, cands: list, fixed, ties, reason: str):
     neighbouring segment of some runs. A run may be left out only while most runs of its own switch combination
     are kept (so a switch that changes the bytes splits the runs instead of being dropped as noise); the runs
     left out are named in the formula's note. Else the refusal's reason."""
-    import random
-    rng = random.Random(len(data))
     budget = int(len(data) * OUTLIER_SHARE)
     if len(data) - budget < 5:
         return reason
-    for _ in range(ROBUST_TRIES):
-        sample = rng.sample(data, min(ROBUST_SAMPLE, len(data)))
-        try:
-            trial = fit_group([p for p, _, _ in sample], [y for _, y, _ in sample], cands, fixed=fixed, ties=ties,
-                              max_terms=4)
-        except FitRefused:
-            continue
-        agrees = [abs(float(trial.predict(p)) - y) <= SLACK_BYTES for p, y, _ in data]
+    for guess in _consensus([p for p, _, _ in data], [y for _, y, _ in data], cands, fixed, ties, len(data)):
+        agrees = [abs(g - y) <= SLACK_BYTES for g, (_, y, _) in zip(guess, data)]
         kept = [d for d, ok in zip(data, agrees) if ok]
         dropped = [d[2] for d, ok in zip(data, agrees) if not ok]
         if len(dropped) > budget:
@@ -207,6 +199,22 @@ def _robust(label: str, data: list, cands: list, fixed, ties, reason: str):
 
 ROBUST_TRIES = 12
 ROBUST_SAMPLE = 8
+
+
+def _consensus(pts: list, ys: list, cands: list, fixed, ties, seed: int):
+    """The consensus search's trials (_robust, _max_fit): for each of ROBUST_TRIES seeded random samples of
+    ROBUST_SAMPLE runs that an exact formula fits, that formula's prediction for every run."""
+    import random
+    rng = random.Random(seed)
+    n = len(pts)
+    for _ in range(ROBUST_TRIES):
+        sample = rng.sample(range(n), min(ROBUST_SAMPLE, n))
+        try:
+            trial = fit_group([pts[i] for i in sample], [ys[i] for i in sample], cands, fixed=fixed, ties=ties,
+                              max_terms=4)
+        except FitRefused:
+            continue
+        yield [float(trial.predict(p)) for p in pts]
 
 
 PEAK_BOUND = 0.005
@@ -246,22 +254,13 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
     where another point of the backward holds more. A single bound would trade the score tensors' coefficient for
     terms that do not grow with s and under-predict every longer sequence; the larger of two patterns extrapolates
     as each does. Else the reason."""
-    import random
     pts, ys, fixed, ties = _problem(label, q, runs)
     peaks = [max(r.peaks) for r in runs]
     n = len(pts)
     if n < 8:
         return reason
     cands = candidates(label)
-    rng = random.Random(n + 1)
-    for _ in range(ROBUST_TRIES):
-        sample = rng.sample(range(n), min(ROBUST_SAMPLE, n))
-        try:
-            trial = fit_group([pts[i] for i in sample], [ys[i] for i in sample], cands, fixed=fixed, ties=ties,
-                              max_terms=4)
-        except FitRefused:
-            continue
-        guess = [float(trial.predict(p)) for p in pts]
+    for guess in _consensus(pts, ys, cands, fixed, ties, n + 1):
         off = [i for i in range(n) if abs(guess[i] - ys[i]) > SLACK_BYTES]
         if not off or len(off) > MAX_MINORITY * n or any(guess[i] > ys[i] for i in off):
             continue
@@ -563,10 +562,9 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
     if update is not None:
         doc = dict(update)
         old = update["segments"]
+        # in place of the first refitted entry, so that a diff shows only them
         at = next((i for i, e in enumerate(old) if selected(e["label"], only)), len(old))
-        kept = [e for e in old if not selected(e["label"], only)]
-        at = sum(1 for e in old[:at] if not selected(e["label"], only))   # in place, so a diff shows only them
-        doc["segments"] = kept[:at] + segments + kept[at:]
+        doc["segments"] = old[:at] + segments + [e for e in old[at:] if not selected(e["label"], only)]
         doc.setdefault("provenance", {}).setdefault("refits", []).append(
             {"labels": list(only), "traces": [r.path for r in runs]})
         return doc

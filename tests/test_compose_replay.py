@@ -9,9 +9,8 @@ import os
 
 import pytest
 
-from estimator.args import parse_args
 from estimator.memory import estimate
-from fit.dataset import header_kernels
+from fit.dataset import traced_config
 from fit.segment_fit import Run, measured_set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,14 +53,7 @@ SELECTIVE_TWINS = [("gpt_selective_s48_b3_h128_a8", "gpt_base_s48_b3_h128_a8"),
 def _estimate(path: str, fset, device: str) -> tuple:
     """(predicted rank-0 peak, measured rank-0 peak, argv) of the run at `path` under formula set fset, with the
     kernels the run had."""
-    with open(os.path.join(path, "rank0.json"), encoding="utf-8") as fh:
-        hdr = json.load(fh)
-    argv = hdr["argv"]
-    if os.path.isfile(os.path.join(path, "campaign.json")):
-        with open(os.path.join(path, "campaign.json"), encoding="utf-8") as fh:
-            argv = json.load(fh)["argv"]
-    cfg = parse_args(["--nproc_per_node", str(hdr.get("world_size", 1))] + argv)
-    cfg.kernels = header_kernels(hdr)
+    cfg, hdr, argv = traced_config(path)
     return estimate(cfg, fset, device=device).ranks[0].peak_bytes, hdr["allocator_peak_bytes"], argv
 
 
