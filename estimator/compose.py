@@ -53,6 +53,16 @@ class ComposedCache:
         self.hidden = e * s * b * h / st
         # core attention's output under TP: s x b x (a/t) x d (not sequence-parallel: attention sees the whole s)
         self.context = e * s * b * self.env["a"] * self.env["d"] / self.env["t"]
+        # Under rope, a query that SelfAttention had to copy (megatron-core reshapes [s, b, g, a/g * d] into
+        # [s, b, a, d]: a copy when a rank has more than one group and more than one head per group) stays alive
+        # until the attention returns, but the checkpoint holds the rotated query, not that copy.
+        a_p, g_p = self.env["a"] / self.env["t"], max(1.0, self.env["g"] / self.env["t"])
+        self.query_copy = self.context if self.sw["position"] == "rope" and 1 < g_p < a_p else 0.0
+        # The checkpoint holds its inputs through its whole backward. Under rope with as many groups as heads, the
+        # value is the one input that is a view of the projection output (query and key are rotated copies), and
+        # the plain backward frees that output with the value, after its first product; the checkpoint keeps it.
+        self.value_hold = e * s * b * (self.env["a"] + 2 * self.env["g"]) * self.env["d"] / self.env["t"] \
+            if self.sw["position"] == "rope" and g_p == a_p else 0.0
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden
@@ -184,6 +194,7 @@ class ComposedCache:
     def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None) -> None:
         self._own(op, layer, sw, out, expert=expert)
         ckpt_at, deferred = None, 0.0     # where core attention's checkpoint sits in `out`, what it holds back
+        not_held = self.query_copy        # of the frees after it, the bytes the checkpoint does not hold
         for c in self.children(op, sw):
             # A SequentialMLP runs its local experts one after another, each on its share of the tokens; under a
             # routing bound the busiest runs last (on top of the others' saved bytes, first in backward).
@@ -202,9 +213,10 @@ class ComposedCache:
                 start = len(out)
                 self._own(own_label(op, c), layer, sw, out, op=op, expert=expert)
                 if ckpt_at is not None:
-                    deferred += _defer_frees(out, start)
+                    held, not_held = _defer_frees(out, start, not_held)
+                    deferred += held
         if ckpt_at is not None:
-            out[ckpt_at] += (self.context, self.context + deferred, self.context, 1)
+            out[ckpt_at] += (self.context, self.context + deferred, self.context + self.value_hold, 1)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
              expert: float | None = None) -> None:
@@ -228,17 +240,21 @@ def _after_mlp(items: list) -> int:
     return 1
 
 
-def _defer_frees(out: list, start: int) -> float:
+def _defer_frees(out: list, start: int, not_held: float) -> tuple:
     """The checkpoint saves its inputs until its backward: what the parent's own code frees after it (without
     recompute, the inputs nothing else saved, released when the parent returns) is held by the checkpoint instead
-    and freed at the end of its backward. Takes those frees out of the segments out[start:]; returns their bytes."""
+    and freed at the end of its backward, except the first `not_held` bytes of those frees (tensors the parent
+    keeps that are not the checkpoint's inputs). Takes the held frees out of the segments out[start:]; returns
+    (their bytes, what is left of not_held)."""
     held = 0.0
     for j in range(start, len(out)):
         label, (fd, fp, bd, bp, measured), op, layer = out[j]
         if fd < 0:
-            held -= fd
-            out[j] = (label, (0.0, fp, bd, bp, measured), op, layer)
-    return held
+            keep = min(-fd, not_held)
+            not_held -= keep
+            held -= fd + keep
+            out[j] = (label, (-keep, fp, bd, bp, measured), op, layer)
+    return held, not_held
 
 
 def term_tensors(terms, env) -> list:
