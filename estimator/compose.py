@@ -57,7 +57,7 @@ class ComposedCache:
         # [s, b, a, d]: a copy when a rank has more than one group and more than one head per group) stays alive
         # until the attention returns, but the checkpoint holds the rotated query, not that copy.
         a_p, g_p = self.env["a"] / self.env["t"], max(1.0, self.env["g"] / self.env["t"])
-        self.query_copy = self.context if self.sw["position"] == "rope" and 1 < g_p < a_p else 0.0
+        self.query_copy = self.context if self.sw["position"] == "rope" and self.sw["qcopy"] else 0.0
         # The checkpoint holds its inputs through its whole backward. Under rope with as many groups as heads, the
         # value is the one input that is a view of the projection output (query and key are rotated copies), and
         # the plain backward frees that output with the value, after its first product; the checkpoint keeps it.

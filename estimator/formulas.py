@@ -32,7 +32,7 @@ INDICATORS = {
     "x_tp": ("tp", True), "x_sm32": ("softmax_fp32", True), "x_bias": ("bias", True), "x_tied": ("tied", True),
     "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
     "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"), "x_fce": ("fuse_ce", "native"),
-    "x_mb1": ("mb1", True),
+    "x_mb1": ("mb1", True), "x_qcopy": ("qcopy", True),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -72,6 +72,9 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # A micro-batch of one sequence: [b, s, h] -> [s, b, h] by transpose(0, 1).contiguous() is then a view, no copy
     # (the embedding's output, the loss's logits), so which tensors a segment frees changes at b = 1.
     "mb1": (True, False),
+    # SelfAttention reshapes the query [s, b, g, a/g * d] -> [s, b, a, d]: a copy only where a rank has more than
+    # one query group and more than one head per group (MHA and one group per rank, MQA or g <= TP, get a view).
+    "qcopy": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -698,6 +701,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,
+        "qcopy": 1 < max(1.0, v["g"] / v["t"]) < v["a"] / v["t"],
     }
 
 

@@ -34,7 +34,7 @@ from .switch_terms import measured_on, merge
 # The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
-                                    "dropout_mask", "fuse_ce", "mb1")
+                                    "dropout_mask", "fuse_ce", "mb1", "qcopy")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
@@ -70,7 +70,7 @@ _LAYER_PART = ("spec", "normalization", "dtype", "sp", "tp", "mb1")
 RELEVANT = {
     "embedding": _EMBEDDING + ("tp",),
     "embedding@": _EMBEDDING,
-    "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "dropout", "dropout_mask",
+    "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "dropout", "dropout_mask",
                                               "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
     "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "activation", "bias", "fuse_act"),
 }
@@ -565,8 +565,19 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
         # in place of the first refitted entry, so that a diff shows only them
         at = next((i for i, e in enumerate(old) if selected(e["label"], only)), len(old))
         doc["segments"] = old[:at] + segments + [e for e in old[at:] if not selected(e["label"], only)]
-        doc.setdefault("provenance", {}).setdefault("refits", []).append(
-            {"labels": list(only), "traces": [r.path for r in runs]})
+        prov = doc["provenance"] = dict(doc.get("provenance") or {})
+        prov["refits"] = list(prov.get("refits") or []) + [{"labels": list(only), "traces": [r.path for r in runs]}]
+        # Runs the set had not seen join its provenance (what the estimator counts as traced); its op structure is
+        # refitted when the runs include every run it was fitted on, else kept.
+        known = [t.get("path") for t in prov.get("traces") or [] if isinstance(t, dict)]
+        added = [r for r in runs if r.path not in known]
+        prov["traces"] = list(prov.get("traces") or []) + [{"path": r.path, "config": r.config, "peaks": r.peaks}
+                                                          for r in added]
+        fitted_on = {r.path for r in runs}
+        if all(p in fitted_on or not _plain(t) for p, t in zip(known, prov["traces"])):
+            doc["structure"] = fit_structure(runs)
+        elif added:
+            print("  op structure kept: the runs do not include every run the set was fitted on", file=sys.stderr)
         return doc
     doc = {"format": FORMAT, "version": 2, "name": name, "kind": "fitted", "composed": True,
            "description": description or default_description(runs),
@@ -575,6 +586,13 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
            "formulas": [],
            "segments": segments, "structure": fit_structure(runs)}
     return doc
+
+
+def _plain(trace: dict) -> bool:
+    """Whether a provenance entry is a run the fit uses (no recompute)."""
+    from estimator.formulas import switches
+    cfg = trace.get("config")
+    return not isinstance(cfg, dict) or switches(cfg)["recompute"] == "none"
 
 
 def default_description(runs: list) -> str:

@@ -126,15 +126,23 @@ def configs() -> list:
             start, k = k, k + first
             for j in range(n_shapes):
                 out.append(_entry(f"{base_name}_{name}", flags, SHAPES[(start + j) % len(SHAPES)]))
+    pairs, _ = combinations(PAIRS, 3, k)
+    return out + pairs
+
+
+def combinations(combos, n_shapes: int, k: int) -> tuple:
+    """Each combination of toggles applied together to each base, at n_shapes shapes from the rotating list
+    starting at k: (the configs, where the next rotation starts)."""
+    out = []
     for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
-        for a, b in PAIRS:
-            flags = toggled(base, (a, b))
+        for names in combos:
+            flags = toggled(base, names)
             if flags is None:
                 continue
-            for j in range(3):
-                out.append(_entry(f"{base_name}_{a}_{b}", flags, SHAPES[(k + j) % len(SHAPES)]))
-            k += 3
-    return out
+            for j in range(n_shapes):
+                out.append(_entry(f"{base_name}_{'_'.join(names)}", flags, SHAPES[(k + j) % len(SHAPES)]))
+            k += n_shapes
+    return out, k
 
 
 # GPU kernel families on CPU stand-ins (tracer/standins.py, profiler option --gpu-kernels). Their base has every
@@ -188,6 +196,46 @@ def triple_configs(start: int) -> list:
     return out
 
 
+# Attention and MoE layouts the toggles above leave out. The query copy SelfAttention makes (heads and groups
+# reshaped: a copy only with more than one group and more than one head per group on a rank) and multi-query
+# attention (one group): alone, under TP with two groups per rank, and with rope. MoE with TP (sequence parallel, as
+# megatron-core requires; expert TP = TP, so the dispatcher gathers over the TP group) and the all-to-all dispatcher.
+LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
+    ("gpt_mqa", GPT, {"--group-query-attention": True, "--num-query-groups": 1}, (0, 1, 3, 2, 4)),
+    ("llama_mqa", LLAMA, {"--num-query-groups": 1}, (2, 4, 5)),
+    ("llama_mqa_dropout", LLAMA, {"--num-query-groups": 1, "--hidden-dropout": 0.1, "--attention-dropout": 0.1},
+     (0, 3)),
+    ("llama_tp2_g4", LLAMA, {"--tensor-model-parallel-size": 2, "--num-query-groups": 4}, (2, 3)),
+    ("gpt_tp2_g4", GPT, {"--tensor-model-parallel-size": 2, "--group-query-attention": True,
+                         "--num-query-groups": 4}, (2, 3)),
+    ("gpt_moe_tp2sp", GPT, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0]}, (0, 2, 4)),
+    ("llama_moe_tp2sp", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0]}, (1, 3, 5)),
+    ("gpt_moe_a2a_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall"}, (1, 3)),
+    ("llama_moe_a2a_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall"}, (0, 2)),
+]
+
+
+# bf16 changes what several ops keep (a norm that computes in fp32 saves its own copy, not its input), so each switch
+# of the bases toggled once more in bf16: the bf16 runs above differ from each other only by the whole base.
+BF16_PAIRS = [("bf16", t) for t in ("rms", "ln", "swiglu", "gelu", "rope", "learned", "gqa", "mha", "nobias", "bias",
+                                    "untied", "tied", "dropout")]
+
+
+def bf16_configs() -> list:
+    return combinations(BF16_PAIRS, 2, 0)[0]
+
+
+def layout_configs() -> list:
+    out = []
+    for name, base, add, shapes in LAYOUTS:
+        for j in shapes:
+            e = _entry(name, {**base, **add}, SHAPES[j])
+            if "--num-query-groups" in add:   # the groups asked for, whatever the heads (_entry fits them to odd heads)
+                e["set"]["--num-query-groups"] = add["--num-query-groups"]
+            out.append(e)
+    return out
+
+
 def kernel_configs() -> list:
     out, k = [], 0
     for base_name, base in (("gpt", GPT), ("llama", LLAMA)):
@@ -205,7 +253,7 @@ def kernel_configs() -> list:
 
 
 def main():
-    cfgs = configs() + kernel_configs() + triple_configs(1)
+    cfgs = configs() + kernel_configs() + triple_configs(1) + layout_configs() + bf16_configs()
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
     grid = {"name": "cpu_compose",
