@@ -212,6 +212,15 @@ LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
     ("llama_moe_tp2sp", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0]}, (1, 3, 5)),
     ("gpt_moe_a2a_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall"}, (1, 3)),
     ("llama_moe_a2a_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall"}, (0, 2)),
+    # the expert count and top-k (every MoE run above has 4 experts, top-2)
+    ("gpt_moe_e8k1", GPT, {**TOGGLE["moe"][0], "--num-experts": 8, "--moe-router-topk": 1,
+                               "--moe-router-pre-softmax": True}, (1, 3, 5)),
+    ("llama_moe_e8k3", LLAMA, {**TOGGLE["moe"][0], "--num-experts": 8, "--moe-router-topk": 3}, (0, 2, 4)),
+    ("gpt_moe_a2a_e8k3_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
+                                   "--num-experts": 8, "--moe-router-topk": 3}, (2, 5)),
+    ("llama_moe_a2a_e2k1_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
+                                       "--num-experts": 2, "--moe-router-topk": 1,
+                                       "--moe-router-pre-softmax": True}, (1, 3)),
 ]
 
 
