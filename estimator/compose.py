@@ -60,9 +60,10 @@ class ComposedCache:
         self.query_copy = self.context if self.sw["position"] == "rope" and self.sw["qcopy"] else 0.0
         # The checkpoint holds its inputs through its whole backward. Under rope with as many groups as heads, the
         # value is the one input that is a view of the projection output (query and key are rotated copies), and
-        # the plain backward frees that output with the value, after its first product; the checkpoint keeps it.
+        # the plain unfused backward frees that output with the value, after its first product; the checkpoint
+        # keeps it. (A flash kernel's backward is one node that frees all three at its end, as the checkpoint does.)
         self.value_hold = e * s * b * (self.env["a"] + 2 * self.env["g"]) * self.env["d"] / self.env["t"] \
-            if self.sw["position"] == "rope" and g_p == a_p else 0.0
+            if self.sw["position"] == "rope" and g_p == a_p and self.sw["attention"] == "unfused" else 0.0
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden
