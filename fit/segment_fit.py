@@ -569,12 +569,13 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
         prov["refits"] = list(prov.get("refits") or []) + [{"labels": list(only), "traces": [r.path for r in runs]}]
         # Runs the set had not seen join its provenance (what the estimator counts as traced); its op structure is
         # refitted when the runs include every run it was fitted on, else kept.
-        known = [t.get("path") for t in prov.get("traces") or [] if isinstance(t, dict)]
+        before = [t for t in prov.get("traces") or [] if isinstance(t, dict)]
+        known = {t.get("path") for t in before}
         added = [r for r in runs if r.path not in known]
         prov["traces"] = list(prov.get("traces") or []) + [{"path": r.path, "config": r.config, "peaks": r.peaks}
                                                           for r in added]
         fitted_on = {r.path for r in runs}
-        if all(p in fitted_on or not _plain(t) for p, t in zip(known, prov["traces"])):
+        if all(t.get("path") in fitted_on or not _plain(t) for t in before):
             doc["structure"] = fit_structure(runs)
         elif added:
             print("  op structure kept: the runs do not include every run the set was fitted on", file=sys.stderr)

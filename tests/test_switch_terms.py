@@ -196,6 +196,33 @@ def test_update_refits_only_the_named_labels_in_place(tmp_path, capsys):
     assert len(err) == 2 and all(line.startswith("fit.segment_fit: error: ") for line in err), err
 
 
+def test_update_with_runs_the_set_never_saw_adds_them_to_its_provenance(tmp_path, capsys):
+    """A run the set was not fitted on joins its provenance (what the estimator counts as traced); its op structure
+    is kept unless the runs include every run the set was fitted on."""
+    import json
+    import os
+
+    import pytest
+
+    from fit.segment_fit import main
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "sets",
+                           "cpu_compose.json")
+    old = json.load(open(shipped))
+    known = {t["path"] for t in old["provenance"]["traces"]}
+    runs = _packed_runs("gpt_base", "gpt_moe_e8k1")
+    new_runs = [r.path for r in runs if r.path not in known]
+    if not new_runs:
+        pytest.skip("every packed run is already in the set's provenance")
+    out = tmp_path / "set.json"
+    assert main([r.path for r in runs] + ["-o", str(out), "--update", shipped, "--labels", "embedding@"]) == 0
+    new = json.load(open(out))
+    paths = [t["path"] for t in new["provenance"]["traces"]]
+    assert paths[:len(old["provenance"]["traces"])] == [t["path"] for t in old["provenance"]["traces"]]
+    assert paths[len(old["provenance"]["traces"]):] == new_runs
+    assert new["structure"] == old["structure"]
+    assert "op structure kept" in capsys.readouterr().err
+
+
 def test_a_transient_of_two_patterns_is_fitted_as_their_maximum_and_extrapolates():
     """Core attention's backward holds three score tensors (3*a*b*s^2*e/t) on every traced run except the short
     sequences, where another point of its backward holds more. No single formula fits; an upper bound fitted on
