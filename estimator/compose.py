@@ -56,7 +56,7 @@ class ComposedCache:
         # Under rope, a query that SelfAttention had to copy (megatron-core reshapes [s, b, g, a/g * d] into
         # [s, b, a, d]: a copy when a rank has more than one group and more than one head per group) stays alive
         # until the attention returns, but the checkpoint holds the rotated query, not that copy.
-        a_p, g_p = self.env["a"] / self.env["t"], max(1.0, self.env["g"] / self.env["t"])
+        a_p, g_p = F.rank_heads(self.env)
         self.query_copy = self.context if self.sw["position"] == "rope" and self.sw["qcopy"] else 0.0
         # The checkpoint holds its inputs through its whole backward. Under rope with as many groups as heads, the
         # value is the one input that is a view of the projection output (query and key are rotated copies), and

@@ -658,6 +658,12 @@ def attention_kernel(cfg: Any) -> str:
     return "unfused"
 
 
+def rank_heads(v: Mapping[str, float]) -> Tuple[float, float]:
+    """(attention heads, query groups) on one TP rank, from variables(): megatron-core gives a rank one group
+    where there are fewer groups than TP ranks."""
+    return v["a"] / v["t"], max(1.0, v["g"] / v["t"])
+
+
 def indicators(sw: Mapping[str, Any]) -> Dict[str, int]:
     """The switch indicators (INDICATORS) of a switch dict."""
     return {name: int(sw.get(k) == v) for name, (k, v) in INDICATORS.items()}
@@ -672,6 +678,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
     v = env if env is not None else variables(cfg)
     dtype = dtype_of(cfg)
     kern = kernels(cfg)
+    a_rank, g_rank = rank_heads(v)
     return {
         "attention": kern["attention"],
         "sp": bool(_get(cfg, "sequence_parallel", False)),
@@ -701,7 +708,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,
-        "qcopy": 1 < max(1.0, v["g"] / v["t"]) < v["a"] / v["t"],
+        "qcopy": 1 < g_rank < a_rank,
     }
 
 

@@ -591,9 +591,8 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
 
 def _plain(trace: dict) -> bool:
     """Whether a provenance entry is a run the fit uses (no recompute)."""
-    from estimator.formulas import switches
     cfg = trace.get("config")
-    return not isinstance(cfg, dict) or switches(cfg)["recompute"] == "none"
+    return not isinstance(cfg, dict) or config_switches(cfg)["recompute"] == "none"
 
 
 def default_description(runs: list) -> str:
