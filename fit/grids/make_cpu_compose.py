@@ -201,8 +201,13 @@ def triple_configs(start: int) -> list:
 # attention (one group): alone, under TP with two groups per rank, and with rope. MoE with TP (sequence parallel, as
 # megatron-core requires; expert TP = TP, so the dispatcher gathers over the TP group) and the all-to-all dispatcher.
 LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
-    ("gpt_mqa", GPT, {"--group-query-attention": True, "--num-query-groups": 1}, (0, 1, 3, 2, 4)),
-    ("llama_mqa", LLAMA, {"--num-query-groups": 1}, (2, 4, 5)),
+    ("gpt_mqa", GPT, {"--group-query-attention": True, "--num-query-groups": 1}, (0, 1, 3, 2, 4, 5)),
+    ("llama_mqa", LLAMA, {"--num-query-groups": 1}, (2, 4, 5, 3, 0, 1)),
+    # MQA with and without rope on both bases (a rotated query is contiguous: no copy in core attention's reshape)
+    ("gpt_mqa_rope", GPT, {"--group-query-attention": True, "--num-query-groups": 1,
+                           "--position-embedding-type": "rope"}, (3, 2, 0, 4)),
+    ("llama_mqa_learned", LLAMA, {"--num-query-groups": 1, "--position-embedding-type": "learned_absolute"},
+     (3, 5, 2, 1)),
     ("llama_mqa_dropout", LLAMA, {"--num-query-groups": 1, "--hidden-dropout": 0.1, "--attention-dropout": 0.1},
      (0, 3)),
     ("llama_tp2_g4", LLAMA, {"--tensor-model-parallel-size": 2, "--num-query-groups": 4}, (2, 3)),
