@@ -32,7 +32,7 @@ INDICATORS = {
     "x_tp": ("tp", True), "x_sm32": ("softmax_fp32", True), "x_bias": ("bias", True), "x_tied": ("tied", True),
     "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
     "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"), "x_fce": ("fuse_ce", "native"),
-    "x_mb1": ("mb1", True), "x_qcopy": ("qcopy", True),
+    "x_mb1": ("mb1", True), "x_qcopy": ("qcopy", True), "x_a2a": ("a2a", True),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -75,6 +75,9 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # SelfAttention reshapes the query [s, b, g, a/g * d] -> [s, b, a, d]: a copy only where a rank has more than
     # one query group and more than one head per group (MHA and one group per rank, MQA or g <= TP, get a view).
     "qcopy": (True, False),
+    # MoE with the all-to-all token dispatcher (permutes its tokens and exchanges them over EP; the allgather one
+    # gathers every token over the expert group): the same ops, other tensors.
+    "a2a": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -709,6 +712,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,
         "qcopy": 1 < g_rank < a_rank,
+        "a2a": bool(v["E"]) and _get(cfg, "moe_token_dispatcher_type", "allgather") == "alltoall",
     }
 
 

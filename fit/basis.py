@@ -94,7 +94,8 @@ _IN_EXPERT = _ONE_EXPERT + ["s*b*k*ep*etp/st*E", "fe/etp", "h", "1"]
 # A decoder layer's own atoms (residual stream, attention and MLP interiors, weight-gradient sizes).
 _LAYER = _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS
 FAMILIES: dict[str, list[str]] = {
-    "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "1"],
+    # s*b*d, s*d: under rope, the backward of the rotated query and key frees tensors of one head's width
+    "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "s*b*d", "s*d", "1"],
     # s*b/st: Transformer Engine's LayerNormLinear (the TE spec's linear_qkv and linear_fc1) keeps its fused
     # norm's fp32 statistics per local token
     "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*b/st", "1"],

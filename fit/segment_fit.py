@@ -18,23 +18,24 @@ import argparse
 import itertools
 import sys
 from collections import Counter
+from fractions import Fraction
 
 from estimator.compose import STRUCTURE_SWITCHES   # the estimator checks combinations of the same switches
 from estimator import moe_tokens
-from estimator.formulas import switches as config_switches
+from estimator.formulas import indicators, switches as config_switches
 
 from . import basis
 from .dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .group import SWITCH_ORDER, domain
 from .segment_data import QUANTITIES, run_samples
 from .solve import FitRefused, bound_fit, fit_group
-from .switch_terms import measured_on, merge
+from .switch_terms import merge
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
 # The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
-                                    "dropout_mask", "fuse_ce", "mb1", "qcopy")
+                                    "dropout_mask", "fuse_ce", "mb1", "qcopy", "a2a")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
@@ -72,7 +73,11 @@ RELEVANT = {
     "embedding@": _EMBEDDING,
     "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "dropout", "dropout_mask",
                                               "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
-    "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "activation", "bias", "fuse_act"),
+    "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "a2a", "activation", "bias", "fuse_act"),
+    # the layer's own code after its attention and after its MLP: the bias-dropout-add into the residual stream
+    # (after an MoE layer's MLP, of what its dispatcher returns)
+    "layers.*@self_attention": _LAYER_PART + ("dropout", "dropout_mask", "bias"),
+    "layers.*@mlp": _LAYER_PART + ("dropout", "dropout_mask", "bias", "moe", "moe_comm", "a2a"),
 }
 
 
@@ -147,7 +152,6 @@ def _fit(data: list, cands: list, fixed, ties):
         fit = fit_group(pts, ys, cands, fixed=fixed, ties=ties, max_terms=5, tolerance=1e-3)
     except FitRefused:
         return reason
-    from fractions import Fraction
     fit.terms = [(Fraction(c).limit_denominator(64), m) for c, m in fit.terms]
     worst = max(abs(float(fit.predict(p)) - y) for p, y in zip(pts, ys))
     if worst > SLACK_BYTES:
@@ -317,10 +321,11 @@ def _split_fit(label: str, q: str, runs: list, cache: dict):
 
 
 def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
-    """(keys, {part: Fit or reason}) for one quantity of one label: pooled over all runs; where some part has no
-    formula, split by the switch (or, where no switch alone helps, the pair, then the triple of switches, among
-    the first SPLIT_LIMIT) that leaves the fewest runs undetermined, and so on. Each quantity is split on its own: a label's
-    transient may depend on a switch that its saved bytes do not."""
+    """(keys, {part: Fit or reason}, leaves) for one quantity of one label: pooled over all runs; where some part
+    has no formula, split by the switch (or, where no switch alone helps, the pair, then the triple of switches,
+    among the first SPLIT_LIMIT) that leaves the fewest runs undetermined, and so on; a part still undetermined is
+    split further on its own (_refine). Leaves: [(condition, runs, fit or reason)], the parts as split. Each
+    quantity is split on its own: a label's transient may depend on a switch that its saved bytes do not."""
     keys: tuple = ()
     fits = {k: _fit_part(label, q, rs, cache, robust=True) for k, rs in _parts(runs, keys).items()}
     varying = [k for k in ORDER if len({r.switches.get(k) for r in runs}) > 1 and relevant(label, k)]
@@ -337,19 +342,19 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
             if size < len(fits[()].terms) and (best is None or size < best[0]):
                 best = (size, k, trial)
         if best is not None:
-            return (best[1],), best[2]
+            return (best[1],), best[2], [(dict(zip((best[1],), part)), None, v) for part, v in best[2].items()]
     if q.endswith("_peak") and isinstance(fits[()], str) and not moe_tokens.routed(label):
         # A transient that is the larger of two allocation patterns, each exact: no split by switches needed.
         # (Not for routed MoE labels: the estimator scales their token terms, which a maximum does not expose.)
         larger = _max_fit(label, q, runs, fits[()])
         if not isinstance(larger, str):
-            return keys, {(): larger}
+            return keys, {(): larger}, [({}, runs, larger)]
     if q.endswith("_peak") and isinstance(fits[()], str):
         # A transient that is a maximum over allocation patterns has no exact formula, split or not: bounded
         # on all runs within PEAK_BOUND of each run's peak, it needs no split by switches.
         bound = _split_fit(label, q, runs, cache)
         if not isinstance(bound, str):
-            return keys, {(): bound}
+            return keys, {(): bound}, [({}, runs, bound)]
     switches = list(varying)
     while any(isinstance(v, str) for v in fits.values()) and switches:
         best = None
@@ -373,10 +378,82 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
             switches.remove(k)
         fits = best[1]
     parts = _parts(runs, keys)   # a transient's parts were bounded where they could be (_split_fit)
-    fits = {part: _approximate(label, q, parts[part], v) if isinstance(v, str) else v for part, v in fits.items()}
-    # In ORDER, so quantities split by the same switches share entries.
-    order = tuple(sorted(keys, key=ORDER.index))
-    return order, {tuple(dict(zip(keys, part))[k] for k in order): v for part, v in fits.items()}
+    leaves = []
+    for part, v in fits.items():
+        leaves += _refine(label, q, parts[part], dict(zip(keys, part)), v, cache, REFINE_DEPTH)
+    leaves = _guard_small(label, q, leaves)
+    leaves = [(cond, rs, _approximate(label, q, rs, v) if isinstance(v, str) else v) for cond, rs, v in leaves]
+    # Every leaf's runs in cells of all the switches any leaf was split by (in ORDER, so quantities split by the
+    # same switches share entries): what the merge (switch_terms) takes.
+    used = {k for cond, _, _ in leaves for k in cond}
+    order = tuple(k for k in ORDER if k in used)
+    cells = {}
+    for _, rs, v in leaves:
+        for r in rs:
+            cells[tuple(r.switches.get(k) for k in order)] = v
+    return order, cells, leaves
+
+
+REFINE_DEPTH = 2   # switches (or pairs) a part left undetermined by the common split may be split by further
+SMALL_PART = 6     # a part of fewer runs may use only terms that parts of at least this many runs use
+
+
+def _guard_small(label: str, q: str, leaves: list) -> list:
+    """Leaves of fewer than SMALL_PART runs refitted on the terms the larger parts use, a formula with other terms
+    dropped (the leaf is then predicted by the merged formula): with 36 candidate terms, four runs are often fitted
+    exactly by a coincidence (`18*s*d*e - 288*a*d*e/t` for a copy of s*b*(a + 2g)*d elements, on two runs of b = 1
+    and two of b = 3). A leaf no formula of the whole basis determines (`ambiguous`: g is 1 on all its runs) may be
+    determined on those terms."""
+    known = {m for _, rs, v in leaves if not isinstance(v, str) and rs and len(rs) >= SMALL_PART for _, m in v.terms}
+    out = []
+    for cond, rs, v in leaves:
+        if not rs or not known or not (isinstance(v, str) or len(rs) < SMALL_PART) or \
+                (not isinstance(v, str) and all(m in known for _, m in v.terms)):
+            out.append((cond, rs, v))
+            continue
+        pts, ys, fixed, ties = _problem(label, q, rs)
+        refit = _fit(list(zip(pts, ys)), [m for m in candidates(label) if m in known], fixed, ties)
+        if isinstance(refit, str) and not isinstance(v, str):
+            refit = f"{v} fits its {len(rs)} runs with terms no larger part has (a coincidence, likely)"
+        out.append((cond, rs, v if isinstance(refit, str) and isinstance(v, str) else refit))
+    return out
+
+
+def _is_bound(fit) -> bool:
+    return not isinstance(fit, (str, MaxFit)) and any(n.startswith("upper bound") for n in fit.notes)
+
+
+def _refine(label: str, q: str, runs: list, cond: dict, fit, cache: dict, depth: int) -> list:
+    """[(condition, runs, fit or reason)]: a part the common split left undetermined, split on its own by the
+    switch (or pair) that determines most of its runs, and so on. The common split divides every part alike, so a
+    switch that matters in one corner only (the micro-batch of one, where MQA's query view needs no copy) would
+    leave the other parts too few runs each; split here, only that part's runs are divided. A part with only an
+    upper bound is split by the switch that gives some of its runs an exact formula and the rest a bound (bf16's
+    matmul transient on CPU bounded apart from fp32's exact peak): a bound extrapolates only as far as its terms do."""
+    bound = _is_bound(fit)
+    if not (isinstance(fit, str) or bound) or depth == 0:
+        return [(cond, runs, fit)]
+    varying = [k for k in ORDER if k not in cond and relevant(label, k) and len({r.switches.get(k) for r in runs}) > 1]
+    best = None
+    for n in ((1,) if bound else (1, 2)):
+        for ks in list(itertools.combinations(varying, n))[:SPLIT_LIMIT[n]]:
+            parts = _parts(runs, ks)
+            trial = {part: _split_fit(label, q, rs, cache) for part, rs in parts.items()}
+            covered = sum(len(parts[p]) for p, v in trial.items() if not isinstance(v, str))
+            exact = sum(len(parts[p]) for p, v in trial.items() if not isinstance(v, str) and not _is_bound(v))
+            if bound and (covered < len(runs) or not exact):
+                continue
+            if covered and (best is None or (covered, exact) > best[0]):
+                best = ((covered, exact), ks, parts, trial)
+        if best is not None and best[0][0] == len(runs):
+            break
+    if best is None:
+        return [(cond, runs, fit)]
+    _, ks, parts, trial = best
+    out = []
+    for part, rs in parts.items():
+        out += _refine(label, q, rs, {**cond, **dict(zip(ks, part))}, trial[part], cache, depth - 1)
+    return out
 
 
 def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
@@ -391,25 +468,31 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
     for q in QUANTITIES:
         if not any(q in r.samples[label].values for r in runs):
             continue
-        keys, fits = split_quantity(label, q, runs, cache)
+        keys, fits, leaves = split_quantity(label, q, runs, cache)
+        leaf_fits = {_leaf_key(cond): fit for cond, _, fit in leaves}
         if isinstance(fits.get(()), MaxFit):     # pooled, the larger of two patterns: written as is
             pooled[q] = {"max": [_written(_in_e(alt.terms, runs)) for alt in fits[()].alternatives]}
-            notes += _notes(q, fits)
+            notes += _notes(q, leaf_fits)
             continue
         done = {part: v for part, v in fits.items() if not isinstance(v, str)}
         parts = _parts(runs, keys)
         merged = merge(keys, {part: _in_e(v.terms, parts[part]) for part, v in done.items()})
         if merged is None and not keys:     # undetermined on the pooled runs
             pooled[q] = None
-            notes += _notes(q, fits)
+            notes += _notes(q, leaf_fits)
             continue
         if merged is None:
             by_keys.setdefault(keys, {})[q] = fits
             continue
         pooled[q] = merged
         if keys:
-            measured[q] = measured_on(keys, list(done))
-        notes += _notes(q, fits)
+            # A part no formula of its own fits is measured too where the merged formula reproduces its runs.
+            agree = [cond for cond, rs, fit in leaves if isinstance(fit, str) and rs and
+                     all(_reproduces(merged, label, q, r) for r in rs)]
+            measured[q] = [cond for cond, _, fit in leaves if not isinstance(fit, str) or cond in agree]
+            leaf_fits = {k: v for k, v in leaf_fits.items() if not (isinstance(v, str) and
+                                                                   any(k == _leaf_key(c) for c in agree))}
+        notes += _notes(q, leaf_fits)
     out = []
     if pooled or not by_keys:
         entry = _entry(label, runs, (), ())
@@ -435,6 +518,15 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
                 entry["note"] = "; ".join(part_notes)
             out.append(entry)
     return out
+
+
+def _leaf_key(cond: dict) -> tuple:
+    return tuple(f"{k}={v}" for k, v in cond.items())
+
+
+def _reproduces(terms: list, label: str, q: str, run) -> bool:
+    env = {**run.point, **{k: Fraction(v) for k, v in indicators(run.switches).items()}}
+    return sum((c * basis.evaluate(m, env) for c, m in terms), Fraction(0)) == run.samples[label].values.get(q, 0)
 
 
 def _in_e(terms: list, runs: list) -> list:

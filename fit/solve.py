@@ -104,10 +104,12 @@ def _evaluated(m: Monomial, p: Point) -> Fraction:
 class _Problem:
     """Feature matrix of one (op, metric) group, float for screening and exact for verification."""
 
-    def __init__(self, points: list[Point], ys: list[Fraction], cands: list[Monomial]):
+    def __init__(self, points: list[Point], ys: list[Fraction], cands: list, exact: list | None = None):
+        """`exact`: the feature matrix where the candidates are not monomials (fit.switch_terms' literal products)."""
         self.points, self.ys, self.cands = points, ys, cands
-        self.exact = [[_evaluated(m, p) for m in cands] for p in points]
-        self.X = np.array([[float(x) for x in row] for row in self.exact], dtype=float)
+        self.exact = exact if exact is not None else [[_evaluated(m, p) for m in cands] for p in points]
+        self.X = np.array([[float(x) for x in row] for row in self.exact], dtype=float).reshape(len(points),
+                                                                                                len(cands))
         self.y = np.array([float(y) for y in ys], dtype=float)
         norms = np.linalg.norm(self.X, axis=0)
         self.norms = np.where(norms > 0, norms, 1.0)

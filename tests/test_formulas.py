@@ -67,6 +67,15 @@ def test_softmax_fp32_switch():
     assert dict(F.select(s, op, cfg()).when)["dtype"] == "fp32"
 
 
+def test_a2a_switch_is_moe_with_the_all_to_all_dispatcher():
+    sw = lambda **kw: F.switches(cfg(**kw))["a2a"]
+    moe = dict(num_experts=4, moe_router_topk=2)
+    assert sw() is False and sw(moe_token_dispatcher_type="alltoall") is False    # dense: no dispatcher
+    assert sw(**moe) is False                                                    # allgather, the default
+    assert sw(moe_token_dispatcher_type="alltoall", **moe) is True
+    assert F.indicators(F.switches(cfg(moe_token_dispatcher_type="alltoall", **moe)))["x_a2a"] == 1
+
+
 def test_select_most_specific_and_switches():
     s = F.load("modelled")
     fo = F.select(s, "layers.*.self_attention.core_attention", cfg(recompute_granularity="selective"))

@@ -2,6 +2,7 @@
 the estimator's reading of such a formula (values per switch combination, measured vs predicted)."""
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 
 from estimator import formulas as F
@@ -46,6 +47,24 @@ def test_an_interaction_of_two_switches_gets_a_product_term():
     assert ("x_dropout", "x_sel") in names
     for (rc, dr), terms in parts.items():
         assert _value(merged, _env(rc, dr)) == _value(terms, _env(rc, dr))
+
+
+def test_an_effect_confined_to_one_corner_of_four_switches_is_one_product_of_complements():
+    """Bytes only where four switches are all off (a copy made only without dropout, bias, tied embeddings and with
+    more than one sequence): no sum of indicator products of up to three switches reproduces that on all 16 parts;
+    the product of the four complements does, written out as the indicator products it expands to."""
+    keys = ("dropout", "bias", "tied", "mb1")
+    parts = {}
+    for values in itertools.product((False, True), repeat=4):
+        parts[values] = [(Fraction(2), SBH)] + ([(Fraction(1), SSBA)] if not any(values) else [])
+    merged = merge(keys, parts)
+    assert merged is not None
+    shape = lambda m: tuple((k, v) for k, v in m if not k.startswith("x_"))  # noqa: E731
+    assert sum(shape(m) == SSBA for _, m in merged) == 16     # (1 - x)^4 expanded
+    for values, terms in parts.items():
+        sw = dict(zip(keys, values))
+        env = {"s": 64, "b": 2, "h": 96, "a": 6, "t": 2, "e": 4, **F.indicators(sw)}
+        assert _value(merged, env) == _value(terms, env), values
 
 
 def test_one_part_merges_to_its_own_terms():
@@ -236,7 +255,7 @@ def test_a_transient_of_two_patterns_is_fitted_as_their_maximum_and_extrapolates
     small = [r for r in runs if r.point["s"] <= 96]
     large = [r for r in runs if r.point["s"] > 96]
     assert large and any(r.point["s"] == 32 for r in small)
-    keys, fits = split_quantity(label, "bwd_peak", small, {})
+    keys, fits, _ = split_quantity(label, "bwd_peak", small, {})
     assert keys == () and isinstance(fits[()], MaxFit)
     first = fits[()].alternatives[0]
     assert first.terms == [(Fr(3), parse_monomial("s*s*b*a*e/t"))]
@@ -264,3 +283,22 @@ def test_the_loader_reads_a_maximum_only_where_it_belongs():
                         "bwd_peak": {"max": [[{"coef": 1}], [{"coef": 2}]]}}]}
     with pytest.raises(F.FormulaError):
         F.from_dict(v1)
+
+
+def test_a_part_left_undetermined_is_split_on_its_own_by_the_switch_that_matters_only_there():
+    """What SelfAttention frees after linear_proj under MQA without rope: the query/key/value views are copied by
+    their reshape unless the micro-batch is one sequence. The common split leaves that part undetermined (b = 1 and
+    b > 1 runs differ; without the split of its own, all ten MQA runs without rope are mispredicted); split on its own
+    by `mb1`, every run is reproduced to the byte, and the part's both halves count as measured."""
+    from fit.segment_fit import fit_label
+    label = "layers.*.self_attention@linear_proj"
+    runs = _packed_runs("gpt_base", "gpt_gqa", "gpt_mqa", "gpt_tp2_g4", "llama_base", "llama_mqa_learned", "llama_mqa")
+    mqa = [r for r in runs if r.point["g"] == 1 and F.switches(r.config)["position"] != "rope"]
+    assert {r.samples[label].values.get("fwd_delta", 0) == 0 for r in mqa} == {True, False}
+    assert {F.switches(r.config)["mb1"] for r in mqa} == {True, False}
+    entries = fit_label(label, runs, {})
+    fset = _set_of(entries)
+    for run in runs:
+        assert _predict(fset, label, run)[0] == run.samples[label].values.get("fwd_delta", 0), run.path
+    (entry,) = entries
+    assert any("mb1" in part for part in entry["measured"]["fwd_delta"])
