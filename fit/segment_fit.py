@@ -427,9 +427,10 @@ def _refine(label: str, q: str, runs: list, cond: dict, fit, cache: dict, depth:
     """[(condition, runs, fit or reason)]: a part the common split left undetermined, split on its own by the
     switch (or pair) that determines most of its runs, and so on. The common split divides every part alike, so a
     switch that matters in one corner only (the micro-batch of one, where MQA's query view needs no copy) would
-    leave the other parts too few runs each; split here, only that part's runs are divided. A part with only an
-    upper bound is split by the switch that gives some of its runs an exact formula and the rest a bound (bf16's
-    matmul transient on CPU bounded apart from fp32's exact peak): a bound extrapolates only as far as its terms do."""
+    leave the other parts too few runs each; split here, only that part's runs are divided. A part of the split
+    with only an upper bound (a transient bounded pooled over all runs is not refined) is split by the switch that
+    gives some of its runs an exact formula and the rest a bound (bf16's matmul transient on CPU bounded apart from
+    fp32's exact peak): a bound extrapolates only as far as its terms do."""
     bound = _is_bound(fit)
     if not (isinstance(fit, str) or bound) or depth == 0:
         return [(cond, runs, fit)]

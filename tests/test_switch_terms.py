@@ -302,3 +302,16 @@ def test_a_part_left_undetermined_is_split_on_its_own_by_the_switch_that_matters
         assert _predict(fset, label, run)[0] == run.samples[label].values.get("fwd_delta", 0), run.path
     (entry,) = entries
     assert any("mb1" in part for part in entry["measured"]["fwd_delta"])
+
+
+def test_a_part_with_only_a_bound_is_split_where_some_of_its_runs_get_an_exact_formula():
+    """linear_proj's forward peak is its output (`s*b*h*e/st`) on fp32 runs, while bf16's CPU matmul adds a transient;
+    over both, only an upper bound without the element size fits (it under-predicted a larger fp32 config). The
+    part is split by dtype: fp32 exact, bf16 on its own."""
+    from fit.segment_fit import _is_bound, split_quantity
+    label = "layers.*.self_attention.linear_proj"
+    runs = _packed_runs("gpt_base", "gpt_bf16", "llama_base", "llama_bf16", "gpt_tp2sp", "llama_tp2sp")
+    _, _, leaves = split_quantity(label, "fwd_peak", runs, {})
+    fp32 = [(cond, fit) for cond, _, fit in leaves if cond.get("sp") is False and cond.get("dtype") == "fp32"]
+    assert len(fp32) == 1 and not _is_bound(fp32[0][1])
+    assert fp32[0][1].terms == [(Fraction(1), parse_monomial("s*b*h*e/st"))]
