@@ -188,10 +188,14 @@ def _patch_moe() -> None:
             mod.all_to_all = all_to_all
 
 
-# Collectives megatron-core runs on its TP/EP/DP groups (bound by name at its import, so patched before it).
+# Collectives megatron-core runs on its TP/EP/DP groups (bound by name at its import, so patched before it). The
+# list forms carry uneven splits: the all-to-all MoE dispatcher's gather and reduce-scatter over expert TP, whose
+# flat buffer gloo's Work holds until its worker drops it.
 _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base",
-                "_reduce_scatter_base", "all_to_all_single", "broadcast")
-_SETTLE_S = 0.02
+                "_reduce_scatter_base", "all_to_all_single", "broadcast", "all_gather", "reduce_scatter")
+# Normally gloo's worker lets go within microseconds; two ranks on two loaded cores can take milliseconds.
+_SETTLE_S = 0.2
+_WORKER_S = 0.001
 
 
 def _storages(args, kwargs) -> list:
@@ -217,6 +221,10 @@ def _settle(held: list) -> None:
         if time.perf_counter() > deadline:
             return
         time.sleep(0.0001)
+    # Buffers of gloo's own (the flat copy a reduce-scatter works on) are not the op's tensors: the worker frees
+    # them when it drops the finished Work, just after the caller's wait returns. A moment's sleep lets it run
+    # first on a loaded core, so they are freed inside the op that made them, as a GPU frees its workspaces.
+    time.sleep(_WORKER_S)
 
 
 class _SettledWork:
