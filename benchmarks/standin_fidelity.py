@@ -69,7 +69,7 @@ def compare(gpu_dir: str, cpu_dir: str) -> dict:
             "gpu_kernels": g.header.get("kernels"), "cpu_kernels": c.header.get("kernels")}
 
 
-def run(root: str, out: str, only: list[str] | None, timeout: float) -> list[dict]:
+def run(root: str, out: str, only: list[str] | None, timeout: float, iterations: int = ITERATIONS) -> list[dict]:
     rows = []
     os.makedirs(out, exist_ok=True)
     for name in (only or configs(root)):
@@ -79,8 +79,8 @@ def run(root: str, out: str, only: list[str] | None, timeout: float) -> list[dic
                "nproc": 1}
         run_dir = os.path.join(out, name)
         try:
-            if not cached(run_dir, cfg, ITERATIONS):
-                profile(cfg, out, ITERATIONS, timeout)
+            if not cached(run_dir, cfg, iterations):
+                profile(cfg, out, iterations, timeout)
         except BenchError as e:
             rows.append({"config": name, "error": str(e)})
             print(f"{name}: {e}", file=sys.stderr)
@@ -114,12 +114,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=DEFAULT_OUT, help="CPU twin traces (cache)")
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per CPU run (default 900)")
+    ap.add_argument("--iterations", type=int, default=ITERATIONS,
+                    help=f"CPU twin iterations (default {ITERATIONS}, as the GPU runs; 2 reach a peak in the second)")
     args = ap.parse_args(argv)
+    if args.iterations < 2:
+        ap.error("--iterations must be >= 2 (the first iteration's peak includes one-time allocations)")
     problem = bad_selection(args.dir, args.only)
     if problem:
         print(f"benchmarks/standin_fidelity.py: {problem}", file=sys.stderr)
         return 2
-    rows = run(args.dir, args.out, args.only, args.timeout)
+    rows = run(args.dir, args.out, args.only, args.timeout, args.iterations)
     print(summary(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
