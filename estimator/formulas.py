@@ -33,6 +33,7 @@ INDICATORS = {
     "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
     "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"), "x_fce": ("fuse_ce", "native"),
     "x_mb1": ("mb1", True), "x_qcopy": ("qcopy", True), "x_a2a": ("a2a", True),
+    "x_le1": ("le1", True), "x_epx": ("epx", True),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -78,6 +79,12 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # MoE with the all-to-all token dispatcher (permutes its tokens and exchanges them over EP; the allgather one
     # gathers every token over the expert group): the same ops, other tensors.
     "a2a": (True, False),
+    # MoE with one expert per expert rank (E = EP): the dispatcher skips the sort of its received tokens by local
+    # expert, and a SequentialMLP runs its one expert on them without splitting and joining.
+    "le1": (True, False),
+    # MoE over more than one expert rank (EP > 1): the all-to-all dispatcher's exchange returns new tensors, where
+    # over one rank it hands back its input; with `moe_comm` it tells EP from expert TP (whose tokens are gathered).
+    "epx": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -713,6 +720,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "mb1": v["b"] == 1,
         "qcopy": 1 < g_rank < a_rank,
         "a2a": bool(v["E"]) and _get(cfg, "moe_token_dispatcher_type", "allgather") == "alltoall",
+        "le1": bool(v["E"]) and v["E"] <= max(1, v["ep"]),
+        "epx": bool(v["E"]) and v["ep"] > 1,
     }
 
 

@@ -35,7 +35,7 @@ from .switch_terms import merge
 # The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
-                                    "dropout_mask", "fuse_ce", "mb1", "qcopy", "a2a")
+                                    "dropout_mask", "fuse_ce", "mb1", "qcopy", "a2a", "le1", "epx")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
@@ -68,12 +68,23 @@ class Run:
 # the layer spec (Transformer Engine fuses the norm into linear_qkv and linear_fc1), the norm type.
 _EMBEDDING = ("position", "dropout", "dropout_mask", "sp", "mb1")
 _LAYER_PART = ("spec", "normalization", "dtype", "sp", "tp", "mb1")
+_MOE_CODE = ("spec", "dtype", "sp", "tp", "moe_comm", "a2a", "le1", "epx")
 RELEVANT = {
     "embedding": _EMBEDDING + ("tp",),
     "embedding@": _EMBEDDING,
     "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "dropout", "dropout_mask",
                                               "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
-    "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "a2a", "activation", "bias", "fuse_act"),
+    # (and dropout: the bias-dropout-add after the MLP hands its last linear's backward a gradient of its own under
+    # dropout, which that backward frees, and a shared one without)
+    "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "a2a", "activation", "bias", "fuse_act", "dropout",
+                                   "dropout_mask"),
+    # The MoE layer's own code around its experts (the token dispatcher's permute, exchange, sort and their
+    # inverses) never sees the experts' activation or biases, nor the norm before the router (no spec fuses it
+    # into the dispatch), nor the micro-batch's shape (it flattens the tokens first); the experts' own code splits
+    # and joins the tokens of more than one local expert.
+    "layers.*.mlp@router": _MOE_CODE,
+    "layers.*.mlp@experts": _MOE_CODE,
+    "layers.*.mlp.experts": _MOE_CODE + ("mb1", "activation", "bias", "fuse_act"),
     # the layer's own code after its attention and after its MLP: the bias-dropout-add into the residual stream
     # (after an MoE layer's MLP, of what its dispatcher returns)
     "layers.*@self_attention": _LAYER_PART + ("dropout", "dropout_mask", "bias"),
@@ -142,10 +153,12 @@ SLACK_BYTES = 64   # a few scalars (a 4-byte tensor freed by the garbage collect
 
 def _fit(data: list, cands: list, fixed, ties):
     """The sparsest exact fit; failing that, one whose every residual is within SLACK_BYTES (a run whose level
-    a stray scalar moved); else the refusal's reason."""
+    a stray scalar moved); else the refusal's reason. Exact fits that differ only at a parallel size no run had
+    (`s*b*h*e/st` or `2*s*b*h*e` at TP 2) give the largest there: a part left without a formula would be
+    predicted from the other parts', which is wrong even at the traced size."""
     pts, ys = [p for p, _ in data], [y for _, y in data]
     try:
-        return fit_group(pts, ys, cands, fixed=fixed, ties=ties, max_terms=5)
+        return fit_group(pts, ys, cands, fixed=fixed, ties=ties, max_terms=5, largest_untraced=True)
     except FitRefused as exc:
         reason = str(exc)
     try:
@@ -351,10 +364,11 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
             return keys, {(): larger}, [({}, runs, larger)]
     if q.endswith("_peak") and isinstance(fits[()], str):
         # A transient that is a maximum over allocation patterns has no exact formula, split or not: bounded
-        # on all runs within PEAK_BOUND of each run's peak, it needs no split by switches.
+        # on all runs within PEAK_BOUND of each run's peak, it needs no common split by switches (_refine below
+        # still splits it where a switch gives some of its runs an exact formula).
         bound = _split_fit(label, q, runs, cache)
         if not isinstance(bound, str):
-            return keys, {(): bound}, [({}, runs, bound)]
+            fits = {(): bound}
     switches = list(varying)
     while any(isinstance(v, str) for v in fits.values()) and switches:
         best = None
@@ -428,9 +442,10 @@ def _refine(label: str, q: str, runs: list, cond: dict, fit, cache: dict, depth:
     switch (or pair) that determines most of its runs, and so on. The common split divides every part alike, so a
     switch that matters in one corner only (the micro-batch of one, where MQA's query view needs no copy) would
     leave the other parts too few runs each; split here, only that part's runs are divided. A part of the split
-    with only an upper bound (a transient bounded pooled over all runs is not refined) is split by the switch that
-    gives some of its runs an exact formula and the rest a bound (bf16's matmul transient on CPU bounded apart from
-    fp32's exact peak): a bound extrapolates only as far as its terms do."""
+    with only an upper bound, pooled over all runs or not, is split by the switch that gives some of its runs an
+    exact formula and the rest a bound (bf16's matmul transient on CPU bounded apart from fp32's exact peak): a bound
+    extrapolates only as far as its terms do. Core attention's backward after its dropout is
+    `a*b*s^2*e/t + s*b*a*d*e/t` on every fp32 run; one bound over bf16's too under-predicted larger configs."""
     bound = _is_bound(fit)
     if not (isinstance(fit, str) or bound) or depth == 0:
         return [(cond, runs, fit)]

@@ -248,14 +248,16 @@ def _vary_hint(points: list[Point], a: Terms, b: Terms, pinned: set = frozenset(
 
 def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], *, fixed: set = frozenset(),
               ties: Mapping[str, str] | None = None, max_terms: int = 6, exhaustive: int = 3,
-              max_den: int = 1000, tolerance: float = 0.0, bound: float = 0.0) -> Fit:
+              max_den: int = 1000, tolerance: float = 0.0, bound: float = 0.0, largest_untraced: bool = False) -> Fit:
     """Sparsest determined fit of ys over the candidate monomials.
 
     `fixed`: variables constant over the whole domain of the formula (e when the dtype is pinned), so fits that
     differ only through them are equivalent. `tolerance` > 0 accepts an inexact greedy fit whose max relative
     residual is within it (flagged exact=False); 0 demands an exact identity. `bound` > 0 (for transient peaks,
     which are a max over allocation patterns and so need not be one polynomial) finally accepts a nonnegative
-    fit that never under-predicts a traced config and over-predicts by at most `bound`. Raises FitRefused.
+    fit that never under-predicts a traced config and over-predicts by at most `bound`. `largest_untraced`: exact
+    fits that differ only at parallel sizes no point has (TP 2 on every run) are not refused as ambiguous; the
+    largest there is taken (see _pick). Raises FitRefused.
     """
     ties = dict(ties or {})
     pts, yv = _dedupe(points, ys)
@@ -274,7 +276,7 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
     for size in range(1, min(exhaustive, n - 2) + 1):
         found = _exact_fits(pb, size, max_den, screen_tol)
         if found:
-            return _pick(pb, found, probes, pinned)
+            return _pick(pb, found, probes, pinned, largest_untraced)
     # Larger formulas: greedy, then a swap check for an equally good but different alternative.
     limit = min(max_terms, n - 2)
     cols = _greedy(pb, limit) if limit > exhaustive else ()
@@ -291,7 +293,7 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
                 alt = tuple(sorted(cols[:i] + (j,) + cols[i + 1:]))
                 if pb.screen(alt) <= screen_tol and (c2 := pb.rational(alt, max_den)) is not None:
                     alts.append((alt, c2))
-            return _pick(pb, alts, probes, pinned)
+            return _pick(pb, alts, probes, pinned, largest_untraced)
     if tolerance > 0:
         cols = _greedy(pb, limit)
         if cols:
@@ -344,20 +346,53 @@ def bound_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
     return fit
 
 
-def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset()) -> Fit:
-    """Among equally sparse exact fits, the first in basis order, unless another differs in the domain."""
+def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset(),
+          largest_untraced: bool = False) -> Fit:
+    """Among equally sparse exact fits, the first in basis order, unless another differs in the domain; with
+    `largest_untraced`, one that differs only at parallel sizes no point has leaves the largest there."""
     found.sort(key=lambda fc: fc[0])
     cols, coefs = found[0]
     best = [(c, pb.cands[j]) for c, j in zip(coefs, cols)]
     n = len(pb.points)
     if n < len(cols) + 2:
         raise FitRefused(f"underdetermined: {len(cols)} term(s) need at least {len(cols) + 2} configs, have {n}")
+    rivals = []
     for cols2, coefs2 in found[1:]:
         other = [(c, pb.cands[j]) for c, j in zip(coefs2, cols2)]
-        if not _same_in_domain(best, other, probes):
+        if _same_in_domain(best, other, probes):
+            continue
+        traced = _at_traced_parallel_sizes(pb.points, probes) if largest_untraced else []
+        if not traced or not _same_in_domain(best, other, traced):
             raise FitRefused(f"ambiguous: {format_terms(best)}  and  {format_terms(other)} both fit all {n} "
                              f"configs exactly; {_vary_hint(pb.points, best, other, pinned)}")
+        rivals.append(other)
+    if rivals:
+        # The fits differ only at parallel sizes no run had (a CPU campaign runs TP 2 at most): every one is exact
+        # wherever the runs were; the largest at other sizes is taken, so the extrapolation errs high.
+        alts = [best] + rivals
+        val = lambda terms, p: sum((c * evaluate(m, p) for c, m in terms), Fraction(0))  # noqa: E731
+        wins = [sum(all(val(a, p) >= val(o, p) for o in alts) for p in probes) for a in alts]
+        best = alts[wins.index(max(wins))]
+        fit = _finish(pb, best, exact=True)
+        fixed = ", ".join(f"{v} = {pb.points[0][v]}" for v in _PARALLEL if _constant(pb.points, v))
+        fit.notes.append(f"{len(alts)} exact fits differ only at parallel sizes never traced ({fixed} on every run): "
+                         "the largest there taken")
+        return fit
     return _finish(pb, best, exact=True)
+
+
+# Parallel sizes a campaign on a few CPU processes cannot vary beyond its one traced value.
+_PARALLEL = ("t", "st", "cp", "ep", "etp")
+
+
+def _constant(points: list[Point], v: str) -> bool:
+    return v in points[0] and len({p[v] for p in points}) == 1
+
+
+def _at_traced_parallel_sizes(points: list[Point], probes: list[dict]) -> list[dict]:
+    """The probes with every parallel size the runs never varied set to its traced value."""
+    pins = {v: points[0][v] for v in _PARALLEL if _constant(points, v)}
+    return [{**p, **pins} for p in probes] if pins else []
 
 
 def _finish(pb: _Problem, terms: Terms, exact: bool) -> Fit:

@@ -442,3 +442,27 @@ def test_input_batch_atoms_prefer_fixed_dtypes():
     assert basis.family("data.tokens") == "data"
     assert cands[0] == basis.parse_monomial("s*b") and cands[1] == basis.parse_monomial("s*s*b")
     assert basis.parse_monomial("s*b*e") in cands
+
+
+def test_fits_differing_only_at_an_untraced_parallel_size_take_the_largest_there():
+    """Under sequence parallelism on TP 2 (the most a CPU campaign traces), the embedding frees two full-size
+    [s, b, h] tensors: `-2*s*b*h*e` and `-4*s*b*h*e/st` fit every run exactly and differ only at TP > 2. The composed
+    fit takes the one that is larger (frees less) there, so that extrapolation errs high, and says so; the per-op
+    fit still refuses."""
+    pts = [{**p, "st": F(2), "t": F(2), "etp": F(2)} for p in
+           _pts([(64, 2, 64, 4, 16, 2, 4), (32, 3, 128, 4, 32, 2, 4), (80, 2, 96, 4, 24, 2, 4),
+                 (128, 1, 64, 8, 8, 2, 4), (48, 3, 128, 8, 16, 2, 4)])]
+    ys = [int(-2 * p["s"] * p["b"] * p["h"] * p["e"]) for p in pts]
+    cands = [mono("s*b*h*e/st"), mono("s*b*h*e")]
+    with pytest.raises(solve.FitRefused, match="ambiguous"):
+        solve.fit_group(pts, ys, cands, ties={"st": "t"})
+    fit = solve.fit_group(pts, ys, cands, ties={"st": "t"}, largest_untraced=True)
+    assert fit.exact and all(fit.predict(p) == y for p, y in zip(pts, ys))
+    at4 = {**pts[0], "t": F(4), "st": F(4)}
+    assert fit.predict(at4) == -pts[0]["s"] * pts[0]["b"] * pts[0]["h"] * pts[0]["e"]   # -4/4, not -2
+    assert "parallel sizes never traced" in fit.notes[0]
+    # Fits that differ at a traced size as well (h varies only with a here) are still refused.
+    same_h = [{**p, "h": p["a"] * 16} for p in pts]
+    with pytest.raises(solve.FitRefused, match="ambiguous"):
+        solve.fit_group(same_h, [int(-2 * p["s"] * p["b"] * p["h"] * p["e"]) for p in same_h],
+                        [mono("s*b*a*e"), mono("s*b*h*e")], largest_untraced=True)

@@ -315,3 +315,25 @@ def test_a_part_with_only_a_bound_is_split_where_some_of_its_runs_get_an_exact_f
     fp32 = [(cond, fit) for cond, _, fit in leaves if cond.get("sp") is False and cond.get("dtype") == "fp32"]
     assert len(fp32) == 1 and not _is_bound(fp32[0][1])
     assert fp32[0][1].terms == [(Fraction(1), parse_monomial("s*b*h*e/st"))]
+
+
+def test_a_transient_bounded_over_all_runs_is_split_where_a_switch_makes_it_exact():
+    """Core attention's backward after its dropout peaks at `a*b*s^2*e/t + s*b*a*d*e/t` on every fp32 run; bf16's
+    CPU matmuls add transients no formula of the basis fits. Pooled, only an upper bound fits, and it traded the
+    s^2 term for others that under-predicted larger configs. The pooled bound is split by dtype like any part with
+    only a bound: fp32 exact, and held-out longer fp32 sequences are predicted to the byte."""
+    from fit.segment_fit import _is_bound, fit_label, split_quantity
+    label, q = "layers.*.self_attention.core_attention@attention_dropout", "bwd_peak"
+    runs = _packed_runs("gpt_base", "llama_base", "gpt_bf16", "llama_bf16", "gpt_tp2", "llama_tp2")
+    held = [r for r in runs if r.point["s"] == 128]
+    fitted = [r for r in runs if r.point["s"] < 128]
+    assert held and all(F.switches(r.config)["dtype"] == "fp32" for r in held)
+    keys, _, leaves = split_quantity(label, q, fitted, {})
+    assert keys == ("dtype",)
+    (fp32,) = [fit for cond, _, fit in leaves if cond == {"dtype": "fp32"}]
+    assert not _is_bound(fp32)
+    assert sorted(fp32.terms) == sorted([(Fraction(1), parse_monomial("s*s*b*a*e/t")),
+                                         (Fraction(1), parse_monomial("s*b*a*d*e/t"))])
+    fset = _set_of([e for e in fit_label(label, fitted, {}) if not e["when"]])
+    for run in held:
+        assert _predict(fset, label, run)[3] == run.samples[label].values[q], run.path
