@@ -226,6 +226,39 @@ LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
     ("llama_moe_a2a_e2k1_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
                                        "--num-experts": 2, "--moe-router-topk": 1,
                                        "--moe-router-pre-softmax": True}, (1, 3)),
+    # The token dispatchers over every expert count, top-k and expert layout a config can have: the all-to-all one
+    # without EP (no exchange), under TP with SP, with one expert per rank (no sort by local expert), and top-1 /
+    # top-3 with EP; the allgather one likewise.
+    ("gpt_moe_a2a", GPT, {**TOGGLE["moe"][0], "--moe-token-dispatcher-type": "alltoall"}, (0, 3, 4)),
+    ("llama_moe_a2a_e8k2", LLAMA, {**TOGGLE["moe"][0], "--moe-token-dispatcher-type": "alltoall",
+                                   "--num-experts": 8}, (1, 5)),
+    ("gpt_moe_a2a_tp2sp", GPT, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0], "--moe-token-dispatcher-type": "alltoall"},
+     (1, 3, 5)),
+    ("llama_moe_a2a_e8k3_tp2sp", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0],
+                                         "--moe-token-dispatcher-type": "alltoall", "--num-experts": 8,
+                                         "--moe-router-topk": 3}, (0, 2)),
+    ("llama_moe_a2a_e8k1_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
+                                       "--num-experts": 8, "--moe-router-topk": 1,
+                                       "--moe-router-pre-softmax": True}, (0, 4)),
+    ("gpt_moe_a2a_k3_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
+                                 "--moe-router-topk": 3}, (1, 5)),
+    ("gpt_moe_a2a_e2k2_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
+                                   "--num-experts": 2}, (2, 4)),
+    ("gpt_moe_e8k2_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--num-experts": 8}, (0, 4)),
+    ("llama_moe_k1_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-router-topk": 1, "--moe-router-pre-softmax": True},
+     (1, 3)),
+    ("gpt_moe_e2k1_ep2", GPT, {**TOGGLE["moe_ep2"][0], "--num-experts": 2, "--moe-router-topk": 1,
+                               "--moe-router-pre-softmax": True}, (2, 5)),
+    ("llama_moe_e8k3_tp2sp", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0], "--num-experts": 8,
+                                     "--moe-router-topk": 3}, (2, 4)),
+    ("gpt_moe_k3", GPT, {**TOGGLE["moe"][0], "--moe-router-topk": 3}, (1, 3)),
+    # The all-to-all dispatcher over one rank with top-1 and top-3: its runs were all top-2, so its dispatch
+    # (2*s*b*k*h*e) could not be told from 4*s*b*h*e.
+    ("gpt_moe_a2a_k3", GPT, {**TOGGLE["moe"][0], "--moe-token-dispatcher-type": "alltoall",
+                             "--moe-router-topk": 3}, (2, 5)),
+    ("llama_moe_a2a_e8k1", LLAMA, {**TOGGLE["moe"][0], "--moe-token-dispatcher-type": "alltoall",
+                                   "--num-experts": 8, "--moe-router-topk": 1, "--moe-router-pre-softmax": True},
+     (0, 4)),
 ]
 
 
