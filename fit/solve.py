@@ -357,11 +357,11 @@ def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset
     if n < len(cols) + 2:
         raise FitRefused(f"underdetermined: {len(cols)} term(s) need at least {len(cols) + 2} configs, have {n}")
     rivals = []
+    traced = _at_traced_parallel_sizes(pb.points, probes) if largest_untraced else []
     for cols2, coefs2 in found[1:]:
         other = [(c, pb.cands[j]) for c, j in zip(coefs2, cols2)]
         if _same_in_domain(best, other, probes):
             continue
-        traced = _at_traced_parallel_sizes(pb.points, probes) if largest_untraced else []
         if not traced or not _same_in_domain(best, other, traced):
             raise FitRefused(f"ambiguous: {format_terms(best)}  and  {format_terms(other)} both fit all {n} "
                              f"configs exactly; {_vary_hint(pb.points, best, other, pinned)}")
