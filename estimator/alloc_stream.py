@@ -197,7 +197,9 @@ def _formula_parts(cache, op: str, sw) -> Optional[tuple]:
 def _composed(items: list, h: float, cache) -> list:
     out = []
     for it in items:
-        if it[0] == "run":
+        if it[0] == "run" and len(it) > 2:     # a layer holding its output's gradient (compose._decoder)
+            out.append(("run", _composed(it[1], h, cache), it[2], it[3]))
+        elif it[0] == "run":
             out += _composed(it[1], h, cache)
         elif it[0] == "ckpt":
             out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3], it[4], it[5]))
@@ -222,6 +224,8 @@ def _forward(prog: list, stack: _Stack) -> None:
                 stack.move(it[1], it[2], it[5][0], it[5][1])
             else:
                 stack.move(it[1], it[2])
+        elif it[0] == "run":
+            _forward(it[1], stack)
         else:   # a checkpointed group: runs, keeps only its input
             inner = _Stack(stack.st)
             _forward(it[1], inner)
@@ -241,6 +245,8 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             due = grad_due(hold)
             if due:
                 hold.append(stack.st.alloc(due))
+        elif it[0] == "run":    # its held gradient stays allocated to the chunk's end
+            _backward(it[1], stack, [it[2], it[3]])
         else:   # recompute the group's forward, run its backward, then its input goes
             inner = _Stack(stack.st)
             _forward(it[1], inner)
@@ -377,7 +383,8 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
     steps = S.order(pp, pp_rank, M, vp_arg, group)
     recv, sends = S.p2p_flags(pp, pp_rank, vp_arg)
     p2p = cache.hidden if pp > 1 else 0.0
-    counts, end = S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, vp_arg is not None) if p2p else \
+    counts, end = S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, vp_arg is not None,
+                               S.warmup_count(pp, pp_rank, M, vp_arg, group)) if p2p else \
         ([0] * len(steps), 0)
     held: list = []   # live p2p tensors
 

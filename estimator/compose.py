@@ -158,8 +158,8 @@ class ComposedCache:
 
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
-        """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items]) for a layer,
-        or ("ckpt", [items], kept, freed, grad, after) for a checkpoint (a full-recompute group, or core attention
+        """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items][, grad,
+        after]) for a layer (holding `grad` more in its backward once `after` of its segments ran), or ("ckpt", [items], kept, freed, grad, after) for a checkpoint (a full-recompute group, or core attention
         under selective recompute) keeping `kept` bytes across the forward, holding `grad` more in its backward
         once `after` of its segments ran (its output's gradient, which the plain segments free there) and freeing
         `freed` after it."""
@@ -184,8 +184,16 @@ class ComposedCache:
                 sw = dict(self.sw, moe=bool(moe_flags[i]))
                 self._expand(LAYER, i, sw, items)
                 self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder")
-            out.append(("ckpt", items, self.hidden, self.hidden, self.hidden, _after_mlp(items)) if ckpt
-                       else ("run", items))
+            if ckpt:
+                out.append(("ckpt", items, self.hidden, self.hidden, self.hidden, _after_mlp(items)))
+            elif not last and hi == len(moe_flags):
+                # A chunk before the model's last receives its output's gradient by p2p and the schedule keeps
+                # that tensor until the chunk's backward ends: the last layer adds its norm's input gradient into
+                # a new tensor (where the measured runs' autograd reuses the buffer), one more hidden state from
+                # its MLP's backward on. (A checkpoint holds its output's gradient the same way, above.)
+                out.append(("run", items, self.hidden, _after_mlp(items)))
+            else:
+                out.append(("run", items))
         if last:
             for c in self.children("decoder", self.sw):
                 if c != LAYER:
@@ -374,7 +382,8 @@ def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hol
     ran (where the plain segments free it)."""
     for it in reversed(items):
         if it[0] == "run":
-            level, peak = _replay_backward(it[1], level, peak, bwd_rows, hold)
+            # a run holding its output's gradient (`_decoder`): held from its MLP's backward to the chunk's end
+            level, peak = _replay_backward(it[1], level, peak, bwd_rows, [it[2], it[3]] if len(it) > 2 else hold)
             continue
         if it[0] == "ckpt":
             # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it. Its

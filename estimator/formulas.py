@@ -712,8 +712,11 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
                                                 or _get(cfg, "apply_query_key_layer_scaling", False)),
         # Linear biases (bias-dropout-add and bias-activation code keep other tensors) and tied embeddings (the
         # output layer's weight gradient is the embedding's, freed in its backward): composed sets split on them.
+        # Under pipeline parallelism the last stage's output layer holds its own copy of the tied weight (synced by
+        # the embedding group's all-reduce), used once in its chunk like an untied one.
         "bias": bool(_get(cfg, "add_bias_linear", True)),
-        "tied": not _get(cfg, "untie_embeddings_and_output_weights", False),
+        "tied": not _get(cfg, "untie_embeddings_and_output_weights", False)
+        and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),

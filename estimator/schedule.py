@@ -97,7 +97,7 @@ def p2p_flags(pp: int, rank: int, vp: Optional[int] = None) -> Tuple[List[bool],
 
 
 def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequence[bool],
-               interleaved: bool) -> Tuple[List[int], int]:
+               interleaved: bool, warmup: int = 0) -> Tuple[List[int], int]:
     """Pipeline p2p tensors (each one hidden state) live at each step of seq ((kind, chunk) per step) on top of
     the saved bytes, and at the optimizer step, as megatron-core's schedules (0.16) keep them:
     - the model chunk keeps its last input (TransformerBlock.set_input_tensor) and, once that input's backward
@@ -110,6 +110,8 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
       forward output is sent, and pseudo-freed, only after the backward (1 during the backward when the forward's
       chunk sends its output), and the output gradient for the pair's backward is received before its forward
       (1 during the forward when the backward's chunk receives one; the backward itself counts it already).
+      The first `warmup` forwards are no pair's: the last of them sends its output at once, also where every
+      forward is a warmup one and a backward follows it directly.
     The chunk's received input until its backward is a saved unit (activations.chunk_activations), not counted here."""
     fl = [0] * len(recv)  # microbatches in flight per chunk
     held = sum(map(bool, recv))  # input-receiving chunks with nothing in flight
@@ -123,14 +125,14 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
             n = 2 * held
             if prev >= 0 and recv[prev] and (fl[prev] or prev == c):
                 n += 1
-            if interleaved and i < last and seq[i + 1][0] == "B" and sends[seq[i + 1][1]]:
+            if interleaved and warmup <= i < last and seq[i + 1][0] == "B" and sends[seq[i + 1][1]]:
                 n += 1
             fl[c] += 1
         else:
             n = 2 * held
             if prev >= 0 and recv[prev] and fl[prev]:
                 n += 1
-            if interleaved and i > 0 and seq[i - 1][0] == "F" and sends[seq[i - 1][1]]:
+            if interleaved and i > warmup and seq[i - 1][0] == "F" and sends[seq[i - 1][1]]:
                 n += 1
             fl[c] -= 1
             if recv[c] and not fl[c]:
@@ -148,7 +150,7 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
     backward frees them (its transient on top of the level with them live); the optimizer step comes last.
     p2p: bytes of one pipeline p2p tensor; with recv / sends (p2p_flags) and interleaved, the p2p tensors that
     p2p_counts finds live are added on top of each step's transient and of the optimizer step's."""
-    counts, end = p2p_counts([(k, c) for k, _, c in steps], recv, sends, interleaved) if p2p else ((), 0)
+    counts, end = p2p_counts([(k, c) for k, _, c in steps], recv, sends, interleaved, warmup) if p2p else ((), 0)
     level = static_bytes  # integers and Fractions stay exact (the tests' exact reference)
     peak, where, at = level, "start", -1
     live = best = 0
@@ -502,8 +504,9 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     warm = _chunk_runs(0, w, vp, g, M, False)
     if p2p >= 0:
         walk.floor = _warmup_floor(walk, warm, _chunk_runs(w, min(w + 1, total), vp, g, M, False))
-    for i, (a, m) in enumerate(warm):
-        walk.run_f(a, m, cooldown[0][0] if (i == len(warm) - 1 and not S_ and cooldown) else None)
+    for a, m in warm:
+        walk.run_f(a, m, None)
+    walk.last_f = None   # warmup forwards send their outputs at once (p2p_counts)
     # Steady pairs: [0, skip_from) walked, whole periods skipped (state unchanged), the pairs repeating the first
     # period moved over, the rest walked.
     for a, b, m in _pair_runs(_chunk_runs(w, w + skip_from, vp, g, M, False),
