@@ -427,7 +427,9 @@ def _stage_events(cfg, ctx, rank, iterations: int) -> list:
     cache, chunks_by_stage = ctx
     chunks = chunks_by_stage[rank.pp_rank]
     has_layers = any(c.key[1] for c in chunks)
-    st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static, tp_overlap.buffer_bytes(cfg), iterations,
+    from . import persistent_state
+    st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static,
+                      tp_overlap.buffer_bytes(cfg) + persistent_state.stage_bytes(cfg, chunks), iterations,
                       attention_buffer_bytes(cfg) if has_layers else 0.0, runtime_tensors(rank))
     return st.events
 

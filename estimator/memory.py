@@ -7,6 +7,7 @@ from . import activations as A
 from . import formulas as F
 from . import schedule as S
 from . import fp8, gpu_runtime, offload, sharding, tp_overlap
+from . import persistent_state
 from .static_memory import DTYPE_BYTES, ParamInfo, StaticMemory, attention_buffer_bytes, static_memory
 
 
@@ -170,9 +171,10 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             st = stage_static(cfg, stage_chunks, r, memo, device)
             runtime = gpu_runtime.stage_items(cfg, stage_chunks, r, runtime_env, memo, gpu=device != "cpu")
             gpu_bytes = sum([it.bytes for it in runtime])
-            # Persistent from the first forward on (reported under `other`): the local attention's global buffer.
+            # Persistent from the first forward on (reported under `other`): the local attention's global buffer,
+            # the rotary cache and the MoE layers' routing state (estimator.persistent_state).
             base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers \
-                + gpu_bytes
+                + gpu_bytes + persistent_state.stage_bytes(cfg, stage_chunks)
             stage = memo[stage_key] = (chunks, per_op, st, base, runtime, gpu_bytes)
         chunks, per_op, st, base, runtime, gpu_bytes = stage
         if want_ops:

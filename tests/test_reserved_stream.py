@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from estimator import alloc_stream as AS
+from estimator import persistent_state
 from estimator import verdict as V
 from estimator.caching_allocator import parse_alloc_conf, replay
 from estimator.cli import build_report
@@ -60,7 +61,9 @@ def test_stream_carries_the_estimate(args):
         vpp = cfg.virtual_pipeline_model_parallel_size or 1
         kept = 0 if cfg.pipeline_model_parallel_size == 1 else 2 * (vpp - (r.pp_rank == 0))
         runtime = sum(AS.runtime_tensors(r))     # GPU runtime buffers, persistent from start-up
-        assert end == r.static.total_bytes + kept * hidden + runtime
+        # the rotary cache and the MoE layers' routing state (estimator.persistent_state)
+        kept_state = persistent_state.stage_bytes(cfg, AS._context(cfg, rep.formula_set)[1][r.pp_rank])
+        assert end == r.static.total_bytes + kept * hidden + runtime + kept_state
         # The peak is the estimate's less the 512-byte block rounding (the stream holds requested sizes; the replay
         # rounds each block), up to rounding each of the stream's tensors up to a byte.
         rounding = sum(it.bytes for it in r.gpu_runtime if it.count == 0)
