@@ -41,6 +41,10 @@ ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", 
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
 _WEIGHT_ATOMS = ["h*f/t", "h*h/t", "h*a*d/t", "h*g*d/t", "v*h/t", "h", "f/t", "a*d/t", "g*d/t", "s*h", "h*fe/etp",
                  "h*E"]
+# The embedding's weights are the word table (v x h, vocabulary-parallel) and the position table (its rows: at
+# least s); the output layer's is v x h: an attention- or MLP-sized term in their backward could only be a
+# coincidence of few runs, and it extrapolates wrongly.
+_OWN_WEIGHTS = {"embedding": ["v*h/t", "s*h", "h"], "output_layer": ["v*h/t"]}
 
 
 class Run:
@@ -71,6 +75,17 @@ _LAYER_PART = ("spec", "normalization", "dtype", "sp", "tp", "mb1")
 _MOE_CODE = ("spec", "dtype", "sp", "tp", "moe_comm", "a2a", "le1", "epx")
 RELEVANT = {
     "embedding": _EMBEDDING + ("tp",),
+    # the lookup's backward makes the weight's dense gradient in the model's dtype (bf16: then an fp32 copy for the
+    # main gradient), where a tied weight's gradient from the output layer is already held
+    "embedding.word_embeddings": _EMBEDDING + ("tp", "dtype", "tied"),
+    # the logits and their gradient (TP: vocabulary-parallel), the input's gather under SP, the weight's gradient
+    # (bf16: its fp32 copy; tied: kept for the embedding's backward)
+    "output_layer": ("spec", "dtype", "tied", "sp", "tp", "mb1", "fuse_ce"),
+    # the cross entropy over the logits (fp32 under bf16; vocabulary-parallel under TP), then the root's own code
+    # after it, which frees the loss head's inputs: the final norm's output (RMSNorm in bf16 keeps its fp32 copy)
+    # and the position ids or rotary table
+    "loss": ("spec", "dtype", "tp", "sp", "mb1", "fuse_ce"),
+    "step@loss": ("spec", "dtype", "tp", "sp", "mb1", "fuse_ce", "normalization", "position"),
     "embedding@": _EMBEDDING,
     "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "dropout", "dropout_mask",
                                               "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
@@ -98,14 +113,15 @@ def relevant(label: str, switch: str) -> bool:
 
 
 def candidates(label: str) -> list:
-    """The op family's atoms (basis.candidates), then weight-sized ones: a backward allocates weight gradients."""
+    """The op family's atoms (basis.candidates), then weight-sized ones: a backward allocates weight gradients
+    (where the family's own weights are known, of those only)."""
     op = label.split("@", 1)[0]
     if op in ("step", "decoder"):
         atoms = [basis.parse_monomial(a) for a in _STEP_ATOMS]
         out = [basis.times(a, "e") for a in atoms] + atoms
     else:
         out = basis.candidates(op)
-    for a in _WEIGHT_ATOMS:
+    for a in _OWN_WEIGHTS.get(basis.family(op), _WEIGHT_ATOMS) if op not in ("step", "decoder") else _WEIGHT_ATOMS:
         m = basis.parse_monomial(a)
         for x in (basis.times(m, "e"), m):
             if x not in out:
