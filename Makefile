@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test bench fuzz accuracy reserved gpu-validation recompute-twins clean
+.PHONY: example test bench fuzz accuracy reserved gpu-validation recompute-twins set-consistency clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ gpu-validation: $(VENV)/.test-ready
 # Recompute composed from each packed recomputing run's plain twin's measured segments, no fit involved (seconds).
 recompute-twins: $(VENV)/.test-ready
 	$(PY) benchmarks/recompute_twins.py
+
+# A composed set against the runs it was fitted from, label by label (seconds).
+set-consistency: $(VENV)/.test-ready
+	$(PY) benchmarks/set_consistency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

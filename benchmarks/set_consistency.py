@@ -1,0 +1,78 @@
+"""Does a composed set reproduce the runs it was fitted from? Every label's formula evaluated on every run of the
+set's provenance, against that run's own measured segment.
+
+    python benchmarks/set_consistency.py [--set cpu_compose] [--json FILE]
+
+Per label and quantity: how many runs differ (a delta by more than 64 bytes either way; a peak only when the
+formula is under the measured value: peaks may be upper bounds), and the largest such difference in hidden states
+(s*b*h*e/st). A fitted set should list nothing here but noise; a label that misses its own runs was fitted on an
+older campaign or bounded wrongly (docs/ACCURACY.md, 2026-11-28). Runs with recompute are checks of the
+composition, not fit data, and are skipped, as are runs of other kernels than the set's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from estimator import formulas as F  # noqa: E402
+from estimator.compose import ComposedCache  # noqa: E402
+from fit.segment_data import QUANTITIES  # noqa: E402
+from fit.segment_fit import Run  # noqa: E402
+
+SLACK = 64   # bytes: a stray scalar (fit.segment_fit.SLACK_BYTES)
+
+
+def misses(fset) -> dict:
+    """(label, quantity) -> [(run, measured, predicted - measured in hidden states)]."""
+    out: dict = defaultdict(list)
+    for entry in fset.provenance.get("traces", []):
+        path = entry["path"] if isinstance(entry, dict) else entry
+        run = Run(os.path.join(ROOT, path))
+        if run.switches.get("recompute") not in (None, "none"):
+            continue
+        cache = ComposedCache(fset, run.config)
+        sw = F.switches(run.config)
+        env = cache.env
+        hidden = env["s"] * env["b"] * env["h"] * env["e"] / env["st"]
+        for label, sample in run.samples.items():
+            values = cache.values(label, dict(sw, recompute="none"))
+            for i, q in enumerate(QUANTITIES):
+                measured = sample.values.get(q, 0)
+                diff = values[i] - measured
+                if (abs(diff) > SLACK) if q.endswith("delta") else (diff < -SLACK):
+                    out[(label, q)].append((os.path.basename(path), int(measured), diff / hidden))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default="cpu_compose", help="composed formula set (name or file)")
+    ap.add_argument("--json", metavar="FILE", help="also write the misses as JSON")
+    a = ap.parse_args(argv)
+    fset = F.load(a.set)
+    if not fset.composed:
+        print(f"set_consistency: {a.set} is not a composed set", file=sys.stderr)
+        return 2
+    found = misses(fset)
+    runs = len(fset.provenance.get("traces", []))
+    for (label, q), rows in sorted(found.items(), key=lambda kv: -len(kv[1])):
+        worst = max(rows, key=lambda r: abs(r[2]))
+        print(f"{label:58s} {q:9s} {len(rows):4d} runs; worst {worst[2]:+.3f} hidden states ({worst[0]}, "
+              f"measured {worst[1]} B)")
+    print(f"\n{len({k[0] for k in found})} labels miss some of the {runs} runs of {fset.name}'s provenance")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump([{"label": k[0], "quantity": k[1], "runs": [list(r) for r in v]} for k, v in found.items()],
+                      fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
