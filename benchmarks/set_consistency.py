@@ -7,7 +7,7 @@ Per label and quantity: how many runs differ (a delta by more than 64 bytes eith
 formula is under the measured value: peaks may be upper bounds), and the largest such difference in hidden states
 (s*b*h*e/st). A fitted set should list nothing here but noise; a label that misses its own runs was fitted on an
 older campaign or bounded wrongly (docs/ACCURACY.md, 2026-11-28). Runs with recompute are checks of the
-composition, not fit data, and are skipped, as are runs of other kernels than the set's.
+composition, not fit data, and are skipped.
 """
 from __future__ import annotations
 
@@ -24,9 +24,7 @@ if ROOT not in sys.path:
 from estimator import formulas as F  # noqa: E402
 from estimator.compose import ComposedCache  # noqa: E402
 from fit.segment_data import QUANTITIES  # noqa: E402
-from fit.segment_fit import Run  # noqa: E402
-
-SLACK = 64   # bytes: a stray scalar (fit.segment_fit.SLACK_BYTES)
+from fit.segment_fit import SLACK_BYTES, Run  # noqa: E402
 
 
 def misses(fset) -> dict:
@@ -46,7 +44,7 @@ def misses(fset) -> dict:
             for i, q in enumerate(QUANTITIES):
                 measured = sample.values.get(q, 0)
                 diff = values[i] - measured
-                if (abs(diff) > SLACK) if q.endswith("delta") else (diff < -SLACK):
+                if (abs(diff) > SLACK_BYTES) if q.endswith("delta") else (diff < -SLACK_BYTES):
                     out[(label, q)].append((os.path.basename(path), int(measured), diff / hidden))
     return out
 

@@ -159,9 +159,10 @@ class ComposedCache:
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
         """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items][, grad,
-        after]) for a layer (holding `grad` more in its backward once `after` of its segments ran), or ("ckpt", [items], kept, freed, grad, after) for a checkpoint (a full-recompute group, or core attention
-        under selective recompute) keeping `kept` bytes across the forward, holding `grad` more in its backward
-        once `after` of its segments ran (its output's gradient, which the plain segments free there) and freeing
+        after]) for a layer (holding `grad` more in its backward once `after` of its segments ran), or ("ckpt",
+        [items], kept, freed, grad, after) for a checkpoint (a full-recompute group, or core attention under
+        selective recompute) keeping `kept` bytes across the forward, holding `grad` more in its backward once
+        `after` of its segments ran (its output's gradient, which the plain segments free there) and freeing
         `freed` after it."""
         from .activations import recomputed_groups
         out: list = []

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import formulas as F
+
 
 def _g(cfg: Any, name: str, default=None):
     v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
@@ -24,33 +26,24 @@ def _g(cfg: Any, name: str, default=None):
 
 
 def rotary_cache_bytes(cfg: Any) -> int:
+    """Over the whole --seq-length (measured without context parallelism)."""
     if _g(cfg, "position_embedding_type", "learned_absolute") not in ("rope", "yarn", "mrope"):
         return 0
-    h, a = _g(cfg, "hidden_size", 0), _g(cfg, "num_attention_heads", 1)
-    d = _g(cfg, "kv_channels", h // a)
-    dim = int(d * float(_g(cfg, "rotary_percent", 1.0)))
+    dim = int(F.variables(cfg)["d"] * float(_g(cfg, "rotary_percent", 1.0)))
     return 4 * int(_g(cfg, "seq_length", 0)) * dim
 
 
 def moe_layer_state_bytes(cfg: Any) -> int:
     """Bytes one MoE layer's router and dispatcher keep on the rank between its forwards."""
-    E = _g(cfg, "num_experts", 0) or 0
+    v = F.variables(cfg)
+    E, k, t, ep = int(v["E"]), int(v["k"]), int(v["t"]), int(v["ep"])
     if not E:
         return 0
-    k = _g(cfg, "moe_router_topk", 2)
-    t = _g(cfg, "tensor_model_parallel_size", 1)
-    cp = _g(cfg, "context_parallel_size", 1)
-    ep = _g(cfg, "expert_model_parallel_size", 1)
-    sp = bool(_g(cfg, "sequence_parallel", False))
-    T = (_g(cfg, "seq_length", 0) // cp) * _g(cfg, "micro_batch_size", 1) // (t if sp else 1)
+    T = int(v["s"]) * int(v["b"]) // int(v["st"])
     if _g(cfg, "moe_token_dispatcher_type", "allgather") == "alltoall":
         return 5 * T * E + 8 * T * k + 16 * E + 40
-    if t == 1 and ep == 1:
-        return T * E + 12 * T * k
-    Tg = T * t * ep
-    if ep == 1:
-        return Tg * (E + 12 * k)
-    return Tg * (E + 4 * k) + 4 * T if t == 1 else Tg * (E + 12 * k)
+    Tg = T * t * ep     # the all-gather dispatcher gathers over TP x EP (nothing at TP = EP = 1: Tg = T)
+    return Tg * (E + 4 * k) + 4 * T if ep > 1 and t == 1 else Tg * (E + 12 * k)
 
 
 def stage_bytes(cfg: Any, stage_chunks) -> int:

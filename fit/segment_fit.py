@@ -121,7 +121,7 @@ def candidates(label: str) -> list:
         out = [basis.times(a, "e") for a in atoms] + atoms
     else:
         out = basis.candidates(op)
-    for a in _OWN_WEIGHTS.get(basis.family(op), _WEIGHT_ATOMS) if op not in ("step", "decoder") else _WEIGHT_ATOMS:
+    for a in _OWN_WEIGHTS.get(basis.family(op), _WEIGHT_ATOMS):
         m = basis.parse_monomial(a)
         for x in (basis.times(m, "e"), m):
             if x not in out:
