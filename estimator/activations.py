@@ -208,16 +208,17 @@ def cache_for(fset, cfg):
 
 def _composed_chunk(cache, moe_flags, first: bool, last: bool, recv_input: bool):
     from .compose import chunk_body
-    saved, fwd, bwd, rows = chunk_body(cache, moe_flags, first, last)
+    saved, fwd, bwd, rows, again = chunk_body(cache, moe_flags, first, last)
     units = [cache.recv_unit] if recv_input else []
-    if last:
-        units.append((saved, saved, fwd, bwd, rows))
-    else:
-        # The stage output is sent and pseudo-freed; the backward starts with the received gradient in its place
-        # (and frees it no earlier than the layer that frees its own in a one-stage run): the level stays.
-        h = cache.hidden
-        units.append((saved - h, saved - h, fwd, bwd + h, rows))
-    return fold_chunk(units), per_op_bytes(units)
+    # The stage output of a chunk before the last is sent and pseudo-freed; the backward starts with the received
+    # gradient in its place (and frees it no earlier than the layer that frees its own in a one-stage run): the
+    # level stays.
+    h = 0.0 if last else cache.hidden
+    units.append((saved - h, saved - h, fwd, bwd + h, rows))
+    acts = fold_chunk(units)
+    if again is not None:
+        acts.bwd_again = fold_chunk(units[:-1] + [(saved - h, saved - h, fwd, again + h, rows)]).bwd_extra
+    return acts, per_op_bytes(units)
 
 
 def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
@@ -310,6 +311,9 @@ class ChunkActivations:
     saved: float       # bytes kept per in-flight microbatch
     fwd_extra: float   # peak above entry level during the forward
     bwd_extra: float   # peak above (entry level + saved) during the backward
+    # the same for a backward that follows the chunk's previous backward with no forward of the chunk between
+    # (compose.chunk_body: MoE full recompute leaves tensors until the layer's next forward); None: bwd_extra
+    bwd_again: Optional[float] = None
 
 
 def fold_chunk(units: Sequence[tuple]) -> ChunkActivations:

@@ -120,7 +120,7 @@ class _Stack:
 
 
 # ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept, freed[,
-# grad, after]) (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward; a
+# grad, after[, retains, received]]) (a checkpoint keeps `kept` bytes across the forward and frees `freed` at the end of its backward; a
 # composed one holds `grad` bytes, its output's gradient, once `after` of its backward segments ran: compose.py)
 def chunk_program(cache, moe_flags, first: bool, last: bool, recv_input: bool) -> list:
     """A chunk's forward as segments (forward delta / peak, backward delta / peak above the level)."""
@@ -202,7 +202,7 @@ def _composed(items: list, h: float, cache) -> list:
         elif it[0] == "run":
             out += _composed(it[1], h, cache)
         elif it[0] == "ckpt":
-            out.append(("ckpt", _composed(it[1], h, cache), it[2], it[3], it[4], it[5]))
+            out.append(("ckpt", _composed(it[1], h, cache), *it[2:]))
         else:
             fd, fp, bd, bp = it[1][:4]
             parts = cache.parts(it[1])
@@ -236,7 +236,10 @@ def _forward(prog: list, stack: _Stack) -> None:
 def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
     """hold: [bytes, n] a checkpoint's output gradient, allocated once n of its group's backward segments ran
     (compose._replay_backward); the block's id is appended."""
+    above_retains = False   # as compose._replay_backward: an MoE checkpoint keeps its input and its gradient
     for it in reversed(prog):
+        if it[0] != "ckpt":
+            above_retains = False
         if it[0] == "seg":
             if len(it) > 5:
                 stack.move(it[3], it[4], it[5][2], it[5][3])
@@ -253,9 +256,15 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             grad = [it[4], it[5]] if len(it) > 4 else None    # composed: held as compose._replay_backward holds it
             _backward(it[1], inner, grad)
             inner.clear()
+            retains = len(it) > 6 and it[6]
             if grad and len(grad) > 2:
-                stack.st.free(grad[2])
-            stack.pop(it[3])
+                if above_retains or (len(it) > 7 and it[7]):
+                    stack.items.append((grad[2], it[4]))   # freed with the chunk's other tensors at its end
+                else:
+                    stack.st.free(grad[2])
+            if not retains:
+                stack.pop(it[3])
+            above_retains = retains
 
 
 # ---- static memory ---------------------------------------------------------------------------------------------

@@ -160,10 +160,11 @@ class ComposedCache:
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
         """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items][, grad,
         after]) for a layer (holding `grad` more in its backward once `after` of its segments ran), or ("ckpt",
-        [items], kept, freed, grad, after) for a checkpoint (a full-recompute group, or core attention under
-        selective recompute) keeping `kept` bytes across the forward, holding `grad` more in its backward once
-        `after` of its segments ran (its output's gradient, which the plain segments free there) and freeing
-        `freed` after it."""
+        [items], kept, freed, grad, after[, retains, received]) for a checkpoint (a full-recompute group, or core
+        attention under selective recompute) keeping `kept` bytes across the forward, holding `grad` more in its
+        backward once `after` of its segments ran (its output's gradient, which the plain segments free there) and
+        freeing `freed` after it; a group with an MoE layer (`retains`) keeps its input and returns a gradient
+        that stays too, and a group whose output's gradient came by p2p (`received`) leaves that to the chunk."""
         from .activations import recomputed_groups
         out: list = []
         root_kids = [c for c in self.children(ROOT, self.sw)
@@ -186,7 +187,15 @@ class ComposedCache:
                 self._expand(LAYER, i, sw, items)
                 self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder")
             if ckpt:
-                out.append(("ckpt", items, self.hidden, self.hidden, self.hidden, _after_mlp(items)))
+                # An MoE layer's recomputed graph outlives the checkpoint's backward (the token dispatcher keeps
+                # its routing probabilities, which reach back to the group's detached input): the group's input
+                # and that input's gradient stay allocated until the microbatch's backward ends.
+                # A chunk before the model's last keeps the gradient it received for its output (below) to its
+                # backward's end: the last group's output gradient is not the group's to free.
+                retains = any(moe_flags[lo:hi])
+                received = not last and hi == len(moe_flags)
+                out.append(("ckpt", items, self.hidden, self.hidden, self.hidden, _after_mlp(items), retains,
+                            received))
             elif not last and hi == len(moe_flags):
                 # A chunk before the model's last receives its output's gradient by p2p and the schedule keeps
                 # that tensor until the chunk's backward ends: the last layer adds its norm's input gradient into
@@ -378,23 +387,35 @@ def _ckpt_forward(items: list, level: float, peak: float, rows: list, kept: floa
     return level + kept, max(peak, top)
 
 
-def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hold: list | None = None) -> tuple:
+def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hold: list | None = None,
+                     again: bool = False) -> tuple:
     """hold: [bytes, n] a checkpoint's output gradient, added to the level once n of its group's backward segments
-    ran (where the plain segments free it)."""
+    ran (where the plain segments free it). again: the chunk's previous backward ran last on it, so each MoE
+    checkpoint's input and input gradient from then (`retained`, in the level) go as its forward re-runs."""
+    above_retains = False   # the checkpoint whose backward ran last keeps its input's gradient (ours to free)
     for it in reversed(items):
         if it[0] == "run":
             # a run holding its output's gradient (`_decoder`): held from its MLP's backward to the chunk's end
             level, peak = _replay_backward(it[1], level, peak, bwd_rows, [it[2], it[3]] if len(it) > 2 else hold)
+            above_retains = False
             continue
         if it[0] == "ckpt":
             # The checkpoint re-runs the group's forward, then its backward; its output's bytes go with it. Its
             # backward keeps the gradient of its output (megatron-core's CheckpointFunction.backward holds its
-            # arguments until it returns): `grad` bytes more from where the plain segments free it on.
+            # arguments until it returns): `grad` bytes more from where the plain segments free it on. Then its
+            # input and that gradient go, except what an MoE group keeps (`_decoder`): its own input, and the
+            # gradient it returned, which is the next group's output gradient.
+            retains = len(it) > 6 and it[6]
+            if again and retains:
+                level -= 2 * it[3]
             level, peak = _replay_forward(it[1], level, peak, [])
             grad = [it[4], it[5]]
             level, peak = _replay_backward(it[1], level, peak, bwd_rows, grad)
-            level -= it[4] - grad[0] + it[3]
+            kept_grad = above_retains or (len(it) > 7 and it[7])
+            level -= (0.0 if kept_grad else it[4] - grad[0]) + (0.0 if retains else it[3])
+            above_retains = retains
             continue
+        above_retains = False
         label, (_, _, bd, bp, _), op, layer = it
         peak = max(peak, level + bp)
         level += bd + grad_due(hold)
@@ -435,14 +456,29 @@ def standin_families(sw: dict, untraced: list = ()) -> list:
 
 
 def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tuple:
-    """(saved, fwd peak above entry, bwd peak above the all-saved level, per-op rows) of a chunk's own ops."""
+    """(saved, fwd peak above entry, bwd peak above the all-saved level, per-op rows, bwd peak of a backward that
+    follows the chunk's previous backward with no forward of it between, or None where that is the same) of a
+    chunk's own ops."""
     items = cache.sequence(moe_flags, first, last)
     rows: list = []
     saved, fwd = _replay_forward(items, 0.0, 0.0, rows)
     bwd_rows: list = []
     _, bwd = _replay_backward(items, saved, saved, bwd_rows)
     _account(cache, items)
-    return saved, max(fwd, saved), max(bwd - saved, 0.0), _op_rows(rows, bwd_rows)
+    again = None
+    kept = retained(items)
+    if kept:
+        # The MoE checkpoints' inputs and input gradients stay until the layer runs forward again (a forward of
+        # the next microbatch replaces them as it goes); a backward right after the chunk's last one starts with
+        # them and frees each as its group re-runs its forward.
+        _, top = _replay_backward(items, saved + kept, saved + kept, [], again=True)
+        again = max(top - saved, 0.0)
+    return saved, max(fwd, saved), max(bwd - saved, 0.0), _op_rows(rows, bwd_rows), again
+
+
+def retained(items: list) -> float:
+    """Bytes a chunk's backward leaves allocated: each MoE checkpoint's input and its gradient."""
+    return sum(2 * it[3] for it in items if it[0] == "ckpt" and len(it) > 6 and it[6])
 
 
 def _account(cache: ComposedCache, items: list) -> None:

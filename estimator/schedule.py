@@ -156,9 +156,12 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
     live = best = 0
     events: List[Event] = []
     n_f = 0
+    last_kind: dict = {}   # chunk -> its last step's kind ("B" then: a backward's leftovers, ChunkActivations)
     for i, (kind, mb, c) in enumerate(steps):
         ch = chunks[c]
         before = level
+        again = last_kind.get(c) == "B"
+        last_kind[c] = kind
         if kind == "F":
             top = level + (ch.fwd_extra + counts[i] * p2p if p2p else ch.fwd_extra)
             level += ch.saved
@@ -166,7 +169,8 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
             n_f += 1
             stage = "warmup" if n_f <= warmup else "steady"
         else:
-            top = level + (ch.bwd_extra + counts[i] * p2p if p2p else ch.bwd_extra)
+            extra = ch.bwd_extra if not again or _bwd_again(ch) is None else _bwd_again(ch)
+            top = level + (extra + counts[i] * p2p if p2p else extra)
             level -= ch.saved
             live -= 1
             stage = "cooldown" if n_f == len(steps) // 2 and warmup else "steady"
@@ -182,6 +186,12 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
     if keep_events:
         events.append(Event(len(steps), "optimizer", -1, -1, level, top, level))
     return RankTimeline(peak, where, at, best, events)
+
+
+def _bwd_again(ch):
+    """A chunk's backward transient right after its previous backward, where that differs (ChunkActivations)."""
+    v = getattr(ch, "bwd_again", None)
+    return None if v is None or v == ch.bwd_extra else v
 
 
 # --- the same timeline without walking every microbatch ---------------------------------------------------------
@@ -468,6 +478,9 @@ def rank_timeline(pp: int, rank: int, M: int, chunks, static_bytes: float, optim
     total = M * (vp or 1)
     used = chunks[: vp or 1]
     recv, sends = p2p_flags(pp, rank, vp)
+    if any(_bwd_again(ch) is not None for ch in used):
+        # back-to-back backwards of one chunk differ from the rest: walked step by step (MoE full recompute only)
+        return _simulated(pp, rank, M, chunks, static_bytes, optimizer_transient, vp, group, p2p, recv, sends)
     vals = [static_bytes, optimizer_transient] + [x for ch in used for x in (ch.saved, ch.fwd_extra, ch.bwd_extra)]
     if p2p:
         vals.append(p2p * (2 * len(used) + 2))

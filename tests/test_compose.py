@@ -58,12 +58,13 @@ def test_own_label_names_the_child_relative_to_its_op():
 def test_replay_follows_the_structure_forward_and_reversed_backward():
     cache, cfg = _cache()
     tokens = cfg.seq_length * cfg.micro_batch_size
-    saved, fwd, bwd, rows = chunk_body(cache, (False, False), True, True)
+    saved, fwd, bwd, rows, again = chunk_body(cache, (False, False), True, True)
     # forward: embedding 10, two layers of (mlp 20 peaking 30, own code 5), loss 3 peaking 8 (bytes per token)
     assert saved == (10 + 2 * 25 + 3) * tokens
     assert fwd == (10 + 2 * 25 + 8) * tokens  # the loss peaks 8 above all the rest
     # backward from all saved: loss (+2), layer 2 own (+1), its mlp (+40 above 63-3-5=55) ...
     assert bwd == (55 + 40 - 63) * tokens
+    assert again is None                        # no MoE checkpoint: a backward leaves nothing behind
     assert {r[0] for r in rows} >= {"embedding", "layers.*.mlp", "loss"}
     assert cache.coverage()["measured_share"] == 1.0
 

@@ -94,15 +94,15 @@ def test_full_recompute_composed_from_the_plain_twin(name):
 
 def test_full_recompute_of_moe_layers_composed_from_the_plain_twin():
     """Three MoE layers, each its own full-recompute group: every group replays its layer's segments, so what one
-    layer's segments leave held is kept once per group. Without fit.segment_data.fold_siblings (the local experts'
-    shared frees in the expert that runs last) that was +2.5% here; with it -0.7%. The rest is not explained yet (the
-    recomputing run holds one hidden-size tensor per group more than the composition from the second group on)."""
+    layer's segments leave held is kept once per group (without fit.segment_data.fold_siblings, the local experts'
+    shared frees in the expert that runs last, that was +2.5% here), and each group's input and input gradient stay
+    allocated past its backward (compose._decoder; without that, -0.54%): within 0.2%."""
     full, plain = (os.path.join(TWINS, f"gpt_moe_s128_b2_h64_a4_{k}") for k in ("full", "plain"))
     if not (os.path.isdir(full) and os.path.isdir(plain)):
         pytest.skip("recompute twins not packed")
     predicted, measured, argv = _estimate(full, measured_set(Run(plain)), "cpu")
     assert "full" in argv and "--num-experts" in argv
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.002 * measured, (predicted, measured)
 
 
 GPU_PACKED = os.path.join(ROOT, "fit", "traces", "gpu_h100")
