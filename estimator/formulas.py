@@ -7,6 +7,7 @@ float products once per (set, config) so thousands of estimates per second stay 
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 from . import jsonload
@@ -254,9 +255,20 @@ class SegmentFormula:
         return all(sw.get(k) in vals for k, vals in self.seen if k in sw)
 
     def measured_for(self, i: int, sw: Mapping[str, Any]) -> bool:
-        """Quantity i was measured on a part with the config's values of the switches it was split by."""
+        """Quantity i was measured for the config's values of the switches it was split by: on a part with all of
+        them, or, its formula adding up per-switch effects and interactions (fit/switch_terms.py), on parts that had
+        each pair of them together, so that every effect and every interaction of two switches it composes was
+        measured. (A part not split by a switch was fitted over that switch's values: it agrees with any.)"""
         parts = self.measured[i]
-        return parts is None or any(all(sw.get(k) == v for k, v in p) for p in parts)
+        if parts is None or any(_agrees(p, sw) for p in parts):
+            return True
+        keys = sorted({k for p in parts for k, _ in p})
+        return len(keys) > 2 and all(any(_agrees(p, sw, pair) for p in parts)
+                                     for pair in itertools.combinations(keys, 2))
+
+
+def _agrees(part, sw: Mapping[str, Any], only=None) -> bool:
+    return all(sw.get(k) == v for k, v in part if only is None or k in only)
 
 
 # ---------------------------------------------------------------- parsing / validation

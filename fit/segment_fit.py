@@ -98,7 +98,12 @@ RELEVANT = {
     # into the dispatch), nor the micro-batch's shape (it flattens the tokens first); the experts' own code splits
     # and joins the tokens of more than one local expert.
     "layers.*.mlp@router": _MOE_CODE,
-    "layers.*.mlp@experts": _MOE_CODE,
+    # the router's logits, top-k and probabilities over the tokens its rank holds: the experts' activation, their
+    # biases and dropout after the MLP are beyond it
+    "layers.*.mlp.router": _MOE_CODE,
+    # (after the experts: the combine's backward frees the layer's output gradient, a tensor of its own under
+    # dropout, as after a dense MLP)
+    "layers.*.mlp@experts": _MOE_CODE + ("dropout",),
     "layers.*.mlp.experts": _MOE_CODE + ("mb1", "activation", "bias", "fuse_act"),
     # the layer's own code after its attention and after its MLP: the bias-dropout-add into the residual stream
     # (after an MoE layer's MLP, of what its dispatcher returns)
@@ -578,7 +583,13 @@ def _in_e(terms: list, runs: list) -> list:
 def _entry(label: str, runs: list, keys: tuple, part: tuple) -> dict:
     return {"label": label, "per": "layer" if runs[0].samples[label].in_layer else "model",
             "when": dict(zip(keys, part)),
-            "seen": {k: sorted({r.switches.get(k) for r in runs}, key=str) for k in ORDER}, "runs": len(runs)}
+            "seen": seen_values(label, runs), "runs": len(runs)}
+
+
+def seen_values(label: str, runs: list) -> dict:
+    """Per switch that can change the label (RELEVANT), the values its runs had: where the config's are among
+    them the label's formula was measured for it (the other switches' values do not change its allocations)."""
+    return {k: sorted({r.switches.get(k) for r in runs}, key=str) for k in ORDER if relevant(label, k)}
 
 
 def _notes(q: str, fits: dict) -> list:

@@ -99,6 +99,31 @@ def test_estimator_evaluates_indicators_and_tells_measured_parts_from_predicted_
     assert fd == 32 * 2 * 64 * 4 and not measured     # predicted from the parts around it
 
 
+def test_a_combination_whose_every_pair_of_switch_values_was_measured_counts_as_measured():
+    """A quantity merged over three switches adds up their effects and pairwise interactions: a combination never
+    traced whose every pair of values some part had is measured; one with a pair no part had is predicted."""
+    parts = [{"position": "learned_absolute", "dropout": False, "gqa": False},
+             {"position": "rope", "dropout": True, "gqa": False},
+             {"position": "rope", "dropout": False, "gqa": True},
+             {"position": "learned_absolute", "dropout": True, "gqa": True}]
+    entry = {"label": "layers.*.self_attention@core_attention", "per": "layer", "when": {},
+             "seen": {"position": ["learned_absolute", "rope"], "dropout": [False, True], "gqa": [False, True]},
+             "fwd_delta": [{"coef": 2, "vars": {"s": 1, "b": 1, "h": 1, "e": 1}}], "measured": {"fwd_delta": parts}}
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--vocab-size", "128",
+            "--transformer-impl", "local", "--attention-dropout", "0", "--position-embedding-type", "rope",
+            "--hidden-dropout", "0.1", "--group-query-attention", "--num-query-groups", "2"]
+    label = entry["label"]
+
+    def measured(doc):
+        cache = ComposedCache(_set(doc), parse_args(base))
+        assert (cache.sw["position"], cache.sw["dropout"], cache.sw["gqa"]) == ("rope", True, True)
+        return cache.values(label, cache.sw)[4]
+
+    assert measured(entry)                      # (rope, dropout), (rope, gqa), (dropout, gqa): each in a part
+    assert not measured(dict(entry, measured={"fwd_delta": parts[:3]}))   # dropout with GQA: never measured
+
+
 def test_a_combination_never_traced_is_predicted_from_real_runs_of_its_parts():
     """layers.*.input_layernorm fitted on GPT-style runs with LayerNorm and with RMSNorm, on Llama-style runs with
     LayerNorm and on Llama-style runs with RMSNorm and tied embeddings predicts the Llama-style runs with RMSNorm
@@ -166,6 +191,8 @@ def test_embedding_free_composes_position_dropout_and_a_micro_batch_of_one():
     for e in entries:
         used = set(e["when"]) | {k for parts in e.get("measured", {}).values() for p in parts for k in p}
         assert used and all(relevant(label, k) for k in used), used
+        # and its runs' values are recorded for those switches only: what the activation was does not matter here
+        assert "position" in e["seen"] and all(relevant(label, k) for k in e["seen"]), e["seen"]
     fset = _set_of(entries)
     for run in held_out:
         got = _predict(fset, label, run)
