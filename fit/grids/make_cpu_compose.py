@@ -259,6 +259,28 @@ LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
     ("llama_moe_a2a_e8k1", LLAMA, {**TOGGLE["moe"][0], "--moe-token-dispatcher-type": "alltoall",
                                    "--num-experts": 8, "--moe-router-topk": 1, "--moe-router-pre-softmax": True},
      (0, 4)),
+    # TP and TP + SP with the other position type, norm and tie than each base has (the GPT-style TP runs were all
+    # tied with learned positions and LayerNorm, the Llama-style ones untied with rope and RMSNorm: the word
+    # embedding's backward and the loss head's own code under TP were measured for those two corners only), and
+    # bf16 under TP + SP; one micro-batch of one sequence and one of more in each.
+    ("gpt_tp2_rope", GPT, {**TOGGLE["tp2"][0], **TOGGLE["rope"][0]}, (0, 1)),
+    ("gpt_tp2sp_rope", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rope"][0]}, (2, 3)),
+    ("gpt_tp2sp_rms", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rms"][0]}, (4, 1)),
+    ("llama_tp2_learned", LLAMA, {**TOGGLE["tp2"][0], "--position-embedding-type": "learned_absolute"}, (0, 3)),
+    ("llama_tp2sp_learned", LLAMA, {**TOGGLE["tp2sp"][0], "--position-embedding-type": "learned_absolute"},
+     (2, 1)),
+    ("llama_tp2sp_ln", LLAMA, {**TOGGLE["tp2sp"][0], "--normalization": "LayerNorm"}, (4, 3)),
+    ("gpt_bf16_tp2sp", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}, (0, 1)),
+    ("llama_bf16_tp2sp", LLAMA, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}, (2, 3)),
+    # MoE with dropout (the bias-dropout-add after an MoE layer, and a router that must not see it) and MoE in bf16
+    # (the router's and the dispatcher's tensors in the model's dtype), each dispatcher on one base.
+    ("gpt_moe_dropout", GPT, {**TOGGLE["moe"][0], **TOGGLE["dropout"][0]}, (1, 3)),
+    ("llama_moe_a2a_dropout", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["dropout"][0],
+                                      "--moe-token-dispatcher-type": "alltoall"}, (0, 4)),
+    ("gpt_moe_k3_dropout", GPT, {**TOGGLE["moe"][0], **TOGGLE["dropout"][0], "--moe-router-topk": 3}, (0, 2)),
+    ("gpt_moe_bf16", GPT, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0]}, (2, 4)),
+    ("llama_moe_a2a_bf16", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0],
+                                   "--moe-token-dispatcher-type": "alltoall"}, (1, 5)),
 ]
 
 
