@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from . import activations as A
 from . import schedule as S
-from .compose import grad_due
+from .compose import ckpt_keeps, grad_due
 from .static_memory import DTYPE_BYTES, chunk_buffer, dp_layout, optimizer_groups, precision
 
 MAX_GROUPS = 1       # microbatch groups replayed before the last partial one (the steady state repeats after)
@@ -256,9 +256,9 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             grad = [it[4], it[5]] if len(it) > 4 else None    # composed: held as compose._replay_backward holds it
             _backward(it[1], inner, grad)
             inner.clear()
-            retains = len(it) > 6 and it[6]
+            retains, received = ckpt_keeps(it)
             if grad and len(grad) > 2:
-                if above_retains or (len(it) > 7 and it[7]):
+                if above_retains or received:
                     stack.items.append((grad[2], it[4]))   # freed with the chunk's other tensors at its end
                 else:
                     stack.st.free(grad[2])

@@ -189,7 +189,7 @@ class ComposedCache:
             if ckpt:
                 # An MoE layer's recomputed graph outlives the checkpoint's backward (the token dispatcher keeps
                 # its routing probabilities, which reach back to the group's detached input): the group's input
-                # and that input's gradient stay allocated until the microbatch's backward ends.
+                # and that input's gradient stay allocated until the layer next runs forward (chunk_body).
                 # A chunk before the model's last keeps the gradient it received for its output (below) to its
                 # backward's end: the last group's output gradient is not the group's to free.
                 retains = any(moe_flags[lo:hi])
@@ -405,14 +405,13 @@ def _replay_backward(items: list, level: float, peak: float, bwd_rows: list, hol
             # arguments until it returns): `grad` bytes more from where the plain segments free it on. Then its
             # input and that gradient go, except what an MoE group keeps (`_decoder`): its own input, and the
             # gradient it returned, which is the next group's output gradient.
-            retains = len(it) > 6 and it[6]
+            retains, received = ckpt_keeps(it)
             if again and retains:
                 level -= 2 * it[3]
             level, peak = _replay_forward(it[1], level, peak, [])
             grad = [it[4], it[5]]
             level, peak = _replay_backward(it[1], level, peak, bwd_rows, grad)
-            kept_grad = above_retains or (len(it) > 7 and it[7])
-            level -= (0.0 if kept_grad else it[4] - grad[0]) + (0.0 if retains else it[3])
+            level -= (0.0 if above_retains or received else it[4] - grad[0]) + (0.0 if retains else it[3])
             above_retains = retains
             continue
         above_retains = False
@@ -478,7 +477,12 @@ def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tupl
 
 def retained(items: list) -> float:
     """Bytes a chunk's backward leaves allocated: each MoE checkpoint's input and its gradient."""
-    return sum(2 * it[3] for it in items if it[0] == "ckpt" and len(it) > 6 and it[6])
+    return sum(2 * it[3] for it in items if it[0] == "ckpt" and ckpt_keeps(it)[0])
+
+
+def ckpt_keeps(it: tuple) -> tuple:
+    """(retains, received) of a checkpoint item (ComposedCache.sequence); both False where it has neither."""
+    return len(it) > 6 and bool(it[6]), len(it) > 7 and bool(it[7])
 
 
 def _account(cache: ComposedCache, items: list) -> None:

@@ -169,7 +169,8 @@ def simulate(steps: Sequence[Step], chunks, static_bytes: float, optimizer_trans
             n_f += 1
             stage = "warmup" if n_f <= warmup else "steady"
         else:
-            extra = ch.bwd_extra if not again or _bwd_again(ch) is None else _bwd_again(ch)
+            alt = _bwd_again(ch) if again else None
+            extra = ch.bwd_extra if alt is None else alt
             top = level + (extra + counts[i] * p2p if p2p else extra)
             level -= ch.saved
             live -= 1
