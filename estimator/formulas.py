@@ -34,7 +34,7 @@ INDICATORS = {
     "x_te": ("spec", "te"), "x_fact": ("fuse_act", True), "x_fsm": ("fuse_softmax", True),
     "x_frope": ("fuse_rope", True), "x_mask8": ("dropout_mask", "byte"), "x_fce": ("fuse_ce", "native"),
     "x_mb1": ("mb1", True), "x_qcopy": ("qcopy", True), "x_a2a": ("a2a", True),
-    "x_le1": ("le1", True), "x_epx": ("epx", True),
+    "x_le1": ("le1", True), "x_epx": ("epx", True), "x_presoft": ("pre_softmax", True),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
@@ -86,6 +86,9 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # MoE over more than one expert rank (EP > 1): the all-to-all dispatcher's exchange returns new tensors, where
     # over one rank it hands back its input; with `moe_comm` it tells EP from expert TP (whose tokens are gathered).
     "epx": (True, False),
+    # MoE routing by --moe-router-pre-softmax (softmax over every expert, then the top k; megatron-core requires it
+    # for top-1): the router keeps the probabilities of all E experts per token, not of the k it picked.
+    "pre_softmax": (True, False),
 }
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -737,6 +740,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "a2a": bool(v["E"]) and _get(cfg, "moe_token_dispatcher_type", "allgather") == "alltoall",
         "le1": bool(v["E"]) and v["E"] <= max(1, v["ep"]),
         "epx": bool(v["E"]) and v["ep"] > 1,
+        "pre_softmax": bool(v["E"]) and bool(_get(cfg, "moe_router_pre_softmax", False))
+        and _get(cfg, "moe_router_score_function", "softmax") == "softmax",
     }
 
 

@@ -35,7 +35,7 @@ from .switch_terms import merge
 # The layer spec first: it changes the most labels (norms fused into linear_qkv and linear_fc1), and the split search
 # pairs the first switches with every other.
 ORDER = ("spec",) + SWITCH_ORDER + ("bias", "tied", "softmax_fp32", "fuse_act", "fuse_softmax", "fuse_rope",
-                                    "dropout_mask", "fuse_ce", "mb1", "qcopy", "a2a", "le1", "epx")
+                                    "dropout_mask", "fuse_ce", "mb1", "qcopy", "a2a", "le1", "epx", "pre_softmax")
 # Labels that exist only for a config's switches (the op structure says which a config has) and labels of the
 # step's own code: their basis (the widest, plus the loss head's atoms for the step).
 _STEP_ATOMS = ["s*b*v/t", "s*b", "s*s*b", "s*b*h/st", "s*b*h", "s", "b", "1"]
@@ -100,7 +100,7 @@ RELEVANT = {
     "layers.*.mlp@router": _MOE_CODE,
     # the router's logits, top-k and probabilities over the tokens its rank holds: the experts' activation, their
     # biases and dropout after the MLP are beyond it
-    "layers.*.mlp.router": _MOE_CODE,
+    "layers.*.mlp.router": _MOE_CODE + ("pre_softmax",),
     # (after the experts: the combine's backward frees the layer's output gradient, a tensor of its own under
     # dropout, as after a dense MLP)
     "layers.*.mlp@experts": _MOE_CODE + ("dropout",),
@@ -322,6 +322,24 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
     return reason
 
 
+DEEP_TERMS = 4
+
+
+def _deep(label: str, q: str, runs: list, reason: str):
+    """A part the split left without a formula, searched through every formula of DEEP_TERMS terms: beyond three
+    terms the search is greedy, and greedy misses a formula none of whose terms fits well alone (the MoE dispatch's
+    backward, (1 - k)*s*b*h*e + s*b*E + s*b*k*e: the k-fold copy and the routing map and probabilities). Its cost
+    grows as the candidates to the fourth power, so only for the parts still undetermined; else the reason."""
+    if len(runs) < DEEP_TERMS + 2 or not reason.startswith("no exact fit"):
+        return reason
+    pts, ys, fixed, ties = _problem(label, q, runs)
+    try:
+        return fit_group(pts, ys, candidates(label), fixed=fixed, ties=ties, max_terms=DEEP_TERMS,
+                         exhaustive=DEEP_TERMS, largest_untraced=True)
+    except FitRefused:
+        return reason
+
+
 APPROXIMATE = 0.10
 
 
@@ -416,6 +434,7 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
     leaves = []
     for part, v in fits.items():
         leaves += _refine(label, q, parts[part], dict(zip(keys, part)), v, cache, REFINE_DEPTH)
+    leaves = [(cond, rs, _deep(label, q, rs, v) if isinstance(v, str) else v) for cond, rs, v in leaves]
     leaves = _guard_small(label, q, leaves)
     leaves = [(cond, rs, _approximate(label, q, rs, v) if isinstance(v, str) else v) for cond, rs, v in leaves]
     # Every leaf's runs in cells of all the switches any leaf was split by (in ORDER, so quantities split by the

@@ -365,3 +365,41 @@ def test_a_transient_bounded_over_all_runs_is_split_where_a_switch_makes_it_exac
     fset = _set_of([e for e in fit_label(label, fitted, cache) if not e["when"]])
     for run in held:
         assert _predict(fset, label, run)[3] == run.samples[label].values[q], run.path
+
+
+def test_a_part_the_greedy_search_misses_gets_its_exact_formula_of_four_terms():
+    """The MoE dispatch's backward on the all-to-all runs without SP frees k - 1 copies of the tokens' hidden
+    states, the routing map (one byte per token and expert) and the probabilities: four terms, none a good fit
+    alone, so the greedy search beyond three terms misses them. Searched through every formula of four terms
+    (fit.segment_fit._deep) on runs of top-1 to top-3 with 2 to 8 experts, it predicts held-out top-3 runs with 8
+    experts over two expert ranks to the byte."""
+    from fit.segment_fit import _deep, _fit, _problem, candidates
+    label, q = "layers.*.mlp@router", "bwd_delta"
+    fitted = _packed_runs("gpt_moe_a2a", "gpt_moe_a2a_ep2", "gpt_moe_a2a_k3", "gpt_moe_a2a_e2k2_ep2",
+                          "llama_moe_a2a_e8k2", "llama_moe_a2a_e8k1", "llama_moe_a2a_ep2")
+    held = _packed_runs("gpt_moe_a2a_e8k3_ep2")
+    pts, ys, fixed, ties = _problem(label, q, fitted)
+    reason = _fit(list(zip(pts, ys)), candidates(label), fixed, ties)
+    assert isinstance(reason, str) and reason.startswith("no exact fit"), reason
+    fit = _deep(label, q, fitted, reason)
+    assert not isinstance(fit, str) and len(fit.terms) == 4, fit
+    for run in held:
+        assert run.point["k"] == 3 and run.point["E"] == 8 and run.point["ep"] == 2
+        assert fit.predict(run.point) == run.samples[label].values[q], run.path
+
+
+def test_routing_by_softmax_before_the_top_k_is_a_switch_of_the_router_only():
+    """--moe-router-pre-softmax keeps the probabilities of every expert, not of the k picked (`pre_softmax`, a
+    switch of the router alone: the dispatch sees k tokens either way). The router's forward fitted on top-1 and
+    top-2 runs of both orders with the allgather dispatcher on one rank predicts top-2 pre-softmax runs with 8
+    experts, the all-to-all dispatcher and two expert ranks to the byte."""
+    from fit.segment_fit import fit_label, relevant
+    assert relevant("layers.*.mlp.router", "pre_softmax") and not relevant("layers.*.mlp@router", "pre_softmax")
+    label = "layers.*.mlp.router"
+    fitted = _packed_runs("gpt_moe", "gpt_moe_k3", "gpt_moe_e8k1", "gpt_moe_presoft", "llama_moe_e8k3")
+    held = _packed_runs("llama_moe_a2a_presoft_ep2")
+    assert {F.switches(r.config)["pre_softmax"] for r in fitted} == {True, False}
+    fset = _set_of([e for e in fit_label(label, fitted, {}) if not e["when"]])
+    for run in held:
+        assert F.switches(run.config)["pre_softmax"] and run.point["k"] == 2
+        assert _predict(fset, label, run)[0] == run.samples[label].values["fwd_delta"], run.path

@@ -200,7 +200,12 @@ def triple_configs(start: int) -> list:
 # reshaped: a copy only with more than one group and more than one head per group on a rank) and multi-query
 # attention (one group): alone, under TP with two groups per rank, and with rope. MoE with TP (sequence parallel, as
 # megatron-core requires; expert TP = TP, so the dispatcher gathers over the TP group) and the all-to-all dispatcher.
-LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
+# bf16 runs are short (_entry): shapes of their own, with micro-batches of one sequence and of two, so that each
+# part of a bf16 fit split by `mb1` has enough runs.
+BF16_SHAPES = ((40, 1, 128, 4, None, 256, 640), (32, 1, 96, 6, None, None, 512), (48, 1, 128, 8, 16, None, 384),
+               (40, 1, 64, 4, None, 192, 448), (40, 2, 64, 8, None, None, 512), (32, 2, 96, 4, None, 256, 448),
+               (48, 2, 96, 6, None, None, 384))
+LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES or shapes)
     ("gpt_mqa", GPT, {"--group-query-attention": True, "--num-query-groups": 1}, (0, 1, 3, 2, 4, 5)),
     ("llama_mqa", LLAMA, {"--num-query-groups": 1}, (2, 4, 5, 3, 0, 1)),
     # MQA with and without rope on both bases (a rotated query is contiguous: no copy in core attention's reshape)
@@ -233,10 +238,10 @@ LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
     ("llama_moe_a2a_e8k2", LLAMA, {**TOGGLE["moe"][0], "--moe-token-dispatcher-type": "alltoall",
                                    "--num-experts": 8}, (1, 5)),
     ("gpt_moe_a2a_tp2sp", GPT, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0], "--moe-token-dispatcher-type": "alltoall"},
-     (1, 3, 5)),
+     (1, 3, 5, 0, 2)),
     ("llama_moe_a2a_e8k3_tp2sp", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["tp2sp"][0],
                                          "--moe-token-dispatcher-type": "alltoall", "--num-experts": 8,
-                                         "--moe-router-topk": 3}, (0, 2)),
+                                         "--moe-router-topk": 3}, (0, 2, 4)),
     ("llama_moe_a2a_e8k1_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
                                        "--num-experts": 8, "--moe-router-topk": 1,
                                        "--moe-router-pre-softmax": True}, (0, 4)),
@@ -270,17 +275,38 @@ LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES)
     ("llama_tp2sp_learned", LLAMA, {**TOGGLE["tp2sp"][0], "--position-embedding-type": "learned_absolute"},
      (2, 1)),
     ("llama_tp2sp_ln", LLAMA, {**TOGGLE["tp2sp"][0], "--normalization": "LayerNorm"}, (4, 3)),
-    ("gpt_bf16_tp2sp", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}, (0, 1)),
-    ("llama_bf16_tp2sp", LLAMA, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}, (2, 3)),
+    ("gpt_bf16_tp2sp", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}, (0, 1, 2, 3, 5) + BF16_SHAPES),
+    ("llama_bf16_tp2sp", LLAMA, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]},
+     (2, 3, 0, 1, 5, (40, 1, 96, 6, None, 320, 576)) + BF16_SHAPES),
     # MoE with dropout (the bias-dropout-add after an MoE layer, and a router that must not see it) and MoE in bf16
     # (the router's and the dispatcher's tensors in the model's dtype), each dispatcher on one base.
     ("gpt_moe_dropout", GPT, {**TOGGLE["moe"][0], **TOGGLE["dropout"][0]}, (1, 3)),
     ("llama_moe_a2a_dropout", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["dropout"][0],
                                       "--moe-token-dispatcher-type": "alltoall"}, (0, 4)),
     ("gpt_moe_k3_dropout", GPT, {**TOGGLE["moe"][0], **TOGGLE["dropout"][0], "--moe-router-topk": 3}, (0, 2)),
-    ("gpt_moe_bf16", GPT, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0]}, (2, 4)),
+    ("gpt_moe_bf16", GPT, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0]}, (2, 4, 0, 1)),
     ("llama_moe_a2a_bf16", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0],
-                                   "--moe-token-dispatcher-type": "alltoall"}, (1, 5)),
+                                   "--moe-token-dispatcher-type": "alltoall"}, (1, 5, 3, 0)),
+    # The query copy under TP + SP (four groups, two per rank), MoE with dropout over two expert ranks on each
+    # dispatcher, routing by softmax over all experts before a top-2 (--moe-router-pre-softmax: its runs above are
+    # all top-1), MoE in bf16 under TP + SP on each dispatcher and with 8 experts, top-3 (the bf16 runs above are
+    # all 4 experts, top-2), and bf16 with dropout at three sequence lengths; with the shapes added to layouts
+    # above, every part of the dispatch, the bf16 MoE and bf16 TP + SP has enough runs for a formula of four terms.
+    ("llama_tp2sp_g4", LLAMA, {**TOGGLE["tp2sp"][0], "--num-query-groups": 4},
+     (2, 3, (96, 2, 128, 8, None, None, 448))),
+    ("gpt_moe_ep2_dropout", GPT, {**TOGGLE["moe_ep2"][0], **TOGGLE["dropout"][0]}, (0, 2, 3)),
+    ("llama_moe_a2a_ep2_dropout", LLAMA, {**TOGGLE["moe_ep2"][0], **TOGGLE["dropout"][0],
+                                          "--moe-token-dispatcher-type": "alltoall"}, (1, 3, 4)),
+    ("gpt_moe_presoft", GPT, {**TOGGLE["moe"][0], "--moe-router-pre-softmax": True}, (0, 2, 4)),
+    ("llama_moe_a2a_presoft_ep2", LLAMA, {**TOGGLE["moe_ep2"][0], "--moe-token-dispatcher-type": "alltoall",
+                                          "--moe-router-pre-softmax": True, "--num-experts": 8}, (1, 3, 5)),
+    ("llama_moe_a2a_bf16_tp2sp", LLAMA, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0], **TOGGLE["tp2sp"][0],
+                                         "--moe-token-dispatcher-type": "alltoall"}, (0, 1, 3, 5)),
+    ("gpt_moe_bf16_tp2sp", GPT, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0], **TOGGLE["tp2sp"][0]}, (2, 4)),
+    ("gpt_moe_bf16_e8k3", GPT, {**TOGGLE["moe"][0], **TOGGLE["bf16"][0], "--num-experts": 8, "--moe-router-topk": 3},
+     (0, 1, 5)),
+    ("gpt_bf16_dropout_s", GPT, {**TOGGLE["bf16"][0], **TOGGLE["dropout"][0]},
+     ((40, 2, 96, 4, None, None, 448), (32, 1, 128, 8, 16, 256, 384))),
 ]
 
 
@@ -297,8 +323,8 @@ def bf16_configs() -> list:
 def layout_configs() -> list:
     out = []
     for name, base, add, shapes in LAYOUTS:
-        for j in shapes:
-            e = _entry(name, {**base, **add}, SHAPES[j])
+        for j in shapes:   # an index into SHAPES, or a shape of its own
+            e = _entry(name, {**base, **add}, SHAPES[j] if isinstance(j, int) else j)
             if "--num-query-groups" in add:   # the groups asked for, whatever the heads (_entry fits them to odd heads)
                 e["set"]["--num-query-groups"] = add["--num-query-groups"]
             out.append(e)
