@@ -328,8 +328,9 @@ DEEP_TERMS = 4
 def _deep(label: str, q: str, runs: list, reason: str):
     """A part the split left without a formula, searched through every formula of DEEP_TERMS terms: beyond three
     terms the search is greedy, and greedy misses a formula none of whose terms fits well alone (the MoE dispatch's
-    backward, (1 - k)*s*b*h*e + s*b*E + s*b*k*e: the k-fold copy and the routing map and probabilities). Its cost
-    grows as the candidates to the fourth power, so only for the parts still undetermined; else the reason."""
+    backward, s*b*h*e - k*s*b*h*e - s*b*E - s*b*k*e: k - 1 copies of the tokens, the routing map, the
+    probabilities). Its cost grows as the candidates to the fourth power, so only for the parts still undetermined;
+    else the reason."""
     if len(runs) < DEEP_TERMS + 2 or not reason.startswith("no exact fit"):
         return reason
     pts, ys, fixed, ties = _problem(label, q, runs)
