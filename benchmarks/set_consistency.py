@@ -5,9 +5,10 @@ set's provenance, against that run's own measured segment.
 
 Per label and quantity: how many runs differ (a delta by more than 64 bytes either way; a peak only when the
 formula is under the measured value: peaks may be upper bounds), and the largest such difference in hidden states
-(s*b*h*e/st). A fitted set should list nothing here but noise; a label that misses its own runs was fitted on an
-older campaign or bounded wrongly (docs/ACCURACY.md, 2026-11-28). Runs with recompute are checks of the
-composition, not fit data, and are skipped.
+(s*b*h*e/st), and how many of those runs the estimator still counts as measured: only misses under
+fit.unfitted.MISS_HIDDEN hidden states, since the fit records the cells of larger ones as `unfitted`. A label that
+misses its own runs was fitted on an older campaign, refused a part, or bounded wrongly. Runs with recompute are
+checks of the composition, not fit data, and are skipped.
 """
 from __future__ import annotations
 
@@ -22,30 +23,18 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from estimator import formulas as F  # noqa: E402
-from estimator.compose import ComposedCache  # noqa: E402
+from fit import unfitted  # noqa: E402
 from fit.segment_data import QUANTITIES  # noqa: E402
-from fit.segment_fit import SLACK_BYTES, Run  # noqa: E402
 
 
 def misses(fset) -> dict:
-    """(label, quantity) -> [(run, measured, predicted - measured in hidden states)]."""
+    """(label, quantity) -> [(run, measured, predicted - measured in hidden states, counted measured there)]."""
+    runs = unfitted.provenance_runs({"provenance": fset.provenance}, ROOT)
     out: dict = defaultdict(list)
-    for entry in fset.provenance.get("traces", []):
-        path = entry["path"] if isinstance(entry, dict) else entry
-        run = Run(os.path.join(ROOT, path))
-        if run.switches.get("recompute") not in (None, "none"):
-            continue
-        cache = ComposedCache(fset, run.config)
-        sw = F.switches(run.config)
-        env = cache.env
-        hidden = env["s"] * env["b"] * env["h"] * env["e"] / env["st"]
-        for label, sample in run.samples.items():
-            values = cache.values(label, dict(sw, recompute="none"))
-            for i, q in enumerate(QUANTITIES):
-                measured = sample.values.get(q, 0)
-                diff = values[i] - measured
-                if (abs(diff) > SLACK_BYTES) if q.endswith("delta") else (diff < -SLACK_BYTES):
-                    out[(label, q)].append((os.path.basename(path), int(measured), diff / hidden))
+    for label, i, run, measured, off, entry in unfitted.misses(fset, runs):
+        sw = dict(F.switches(run.config), recompute="none")
+        out[(label, QUANTITIES[i])].append((os.path.basename(run.path), measured, off,
+                                            entry is not None and entry.measured_for(i, sw)))
     return out
 
 
@@ -62,9 +51,12 @@ def main(argv=None) -> int:
     runs = len(fset.provenance.get("traces", []))
     for (label, q), rows in sorted(found.items(), key=lambda kv: -len(kv[1])):
         worst = max(rows, key=lambda r: abs(r[2]))
-        print(f"{label:58s} {q:9s} {len(rows):4d} runs; worst {worst[2]:+.3f} hidden states ({worst[0]}, "
-              f"measured {worst[1]} B)")
-    print(f"\n{len({k[0] for k in found})} labels miss some of the {runs} runs of {fset.name}'s provenance")
+        claimed = sum(r[3] for r in rows)
+        print(f"{label:58s} {q:9s} {len(rows):4d} runs ({claimed} counted measured); worst {worst[2]:+.3f} hidden "
+              f"states ({worst[0]}, measured {worst[1]} B)")
+    print(f"\n{len({k[0] for k in found})} labels miss some of the {runs} runs of {fset.name}'s provenance; "
+          f"{sum(r[3] for rows in found.values() for r in rows)} misses counted measured (each under "
+          f"{unfitted.MISS_HIDDEN} hidden states: fit/unfitted.py)")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:
             json.dump([{"label": k[0], "quantity": k[1], "runs": [list(r) for r in v]} for k, v in found.items()],

@@ -249,6 +249,8 @@ class SegmentFormula:
     # Per quantity, the switch values of the parts it was measured on (None: wherever the entry covers); a
     # formula with switch indicators predicts other combinations of those switches from them.
     measured: Tuple[Optional[Tuple[Tuple[Tuple[str, Any], ...], ...]], ...] = (None, None, None, None)
+    # Per quantity, the cells (switch values) of runs the formula misses (fit/unfitted.py): never measured there.
+    unfitted: Tuple[Optional[Tuple[Tuple[Tuple[str, Any], ...], ...]], ...] = (None, None, None, None)
 
     def matches(self, sw: Mapping[str, Any]) -> bool:
         return all(sw.get(k) == v for k, v in self.when)
@@ -261,10 +263,16 @@ class SegmentFormula:
         """Quantity i was measured for the config's values of the switches it was split by: on a part with all of
         them, or, its formula adding up per-switch effects and interactions (fit/switch_terms.py), on parts that had
         each pair of them together, so that every effect and every interaction of two switches it composes was
-        measured. (A part not split by a switch was fitted over that switch's values: it agrees with any.)"""
+        measured. (A part not split by a switch was fitted over that switch's values: it agrees with any.) Never
+        where the formula misses a run of the config's cell (`unfitted`), and a part holding such a cell is no
+        evidence for the pairs."""
+        missed = self.unfitted[i] or ()
+        if any(_agrees(c, sw) for c in missed):
+            return False
         parts = self.measured[i]
         if parts is None or any(_agrees(p, sw) for p in parts):
             return True
+        parts = [p for p in parts if not any(_agrees(p, dict(c)) for c in missed)]
         keys = sorted({k for p in parts for k, _ in p})
         return len(keys) > 2 and all(any(_agrees(p, sw, pair) for p in parts)
                                      for pair in itertools.combinations(keys, 2))
@@ -447,7 +455,8 @@ def _segments(doc: dict, src: str) -> List[SegmentFormula]:
         w = f"{src}: segments[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("label"), str) or not e["label"]:
             raise FormulaError(f"{w}: needs a 'label'")
-        extra = set(e) - {"label", "per", "when", "seen", "runs", "note", "measured", *SEGMENT_QUANTITIES}
+        extra = set(e) - {"label", "per", "when", "seen", "runs", "note", "measured", "unfitted",
+                          *SEGMENT_QUANTITIES}
         if extra:
             raise FormulaError(f"{w}: unknown keys {sorted(extra)}")
         w = f"{w} ({e['label']!r})"
@@ -462,16 +471,17 @@ def _segments(doc: dict, src: str) -> List[SegmentFormula]:
         out.append(SegmentFormula(e["label"], when, tuple(_terms(e[q], f"{w}.{q}", True) if q in e else NOT_GIVEN
                                                           for q in SEGMENT_QUANTITIES),
                                   tuple(sorted((k, tuple(v)) for k, v in raw_seen.items())),
-                                  _measured(e.get("measured"), w)))
+                                  _measured(e.get("measured"), w, "measured"),
+                                  _measured(e.get("unfitted"), w, "unfitted")))
     return out
 
 
-def _measured(raw: Any, where: str) -> tuple:
+def _measured(raw: Any, where: str, key: str) -> tuple:
     if raw is None:
         return (None, None, None, None)
     if not isinstance(raw, dict) or any(q not in SEGMENT_QUANTITIES or not isinstance(v, list) for q, v in raw.items()):
-        raise FormulaError(f"{where}: 'measured' maps quantities to lists of switch values")
-    return tuple(None if q not in raw else tuple(_when(p, f"{where}.measured.{q}") for p in raw[q])
+        raise FormulaError(f"{where}: '{key}' maps quantities to lists of switch values")
+    return tuple(None if q not in raw else tuple(_when(p, f"{where}.{key}.{q}") for p in raw[q])
                  for q in SEGMENT_QUANTITIES)
 
 

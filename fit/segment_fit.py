@@ -24,7 +24,7 @@ from estimator.compose import STRUCTURE_SWITCHES   # the estimator checks combin
 from estimator import moe_tokens
 from estimator.formulas import indicators, switches as config_switches
 
-from . import basis
+from . import basis, unfitted
 from .dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .group import SWITCH_ORDER, domain
 from .segment_data import QUANTITIES, run_samples
@@ -78,6 +78,7 @@ RELEVANT = {
     # the lookup's backward makes the weight's dense gradient in the model's dtype (bf16: then an fp32 copy for the
     # main gradient), where a tied weight's gradient from the output layer is already held
     "embedding.word_embeddings": _EMBEDDING + ("tp", "dtype", "tied"),
+    "embedding.position_embeddings": _EMBEDDING + ("tp", "dtype"),    # its table's gradient likewise, never tied
     # the logits and their gradient (TP: vocabulary-parallel), the input's gather under SP, the weight's gradient
     # (bf16: its fp32 copy; tied: kept for the embedding's backward)
     "output_layer": ("spec", "dtype", "tied", "sp", "tp", "mb1", "fuse_ce"),
@@ -734,14 +735,14 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
             doc["structure"] = fit_structure(runs)
         elif added:
             print("  op structure kept: the runs do not include every run the set was fitted on", file=sys.stderr)
-        return doc
+        return unfitted.mark(doc, unfitted.provenance_runs(doc, ".", runs))
     doc = {"format": FORMAT, "version": 2, "name": name, "kind": "fitted", "composed": True,
            "description": description or default_description(runs),
            "provenance": {"traces": [{"path": r.path, "config": r.config, "peaks": r.peaks} for r in runs],
                           "backends": sorted({r.backend for r in runs})},
            "formulas": [],
            "segments": segments, "structure": fit_structure(runs)}
-    return doc
+    return unfitted.mark(doc, runs)
 
 
 def _plain(trace: dict) -> bool:
