@@ -115,8 +115,8 @@ class ComposedCache:
             if not have:    # the label never has this phase: no bytes
                 vals.append(0.0)
                 continue
-            match = next((sf for sf in have if sf.matches(sw)), None)
-            if match is not None and match.covers(sw) and match.quantities[i] is not None:
+            match = _answering(have, i, sw)
+            if match is not None:
                 vals.append(_sum(match.quantities[i], env))
                 terms[i] = match.quantities[i]
                 measured = measured and match.measured_for(i, sw)
@@ -132,6 +132,11 @@ class ComposedCache:
         out = (*vals, measured)
         self._parts[id(out)] = (out, terms, env)   # evaluated by parts(), which only the reserved model asks
         return out
+
+    def answering(self, label: str, i: int, sw: dict):
+        """The entry whose formula gives quantity i of the label under sw (what _evaluate takes), or None where the
+        value is extrapolated or the label never has that phase (fit/unfitted.py checks a set through it)."""
+        return _answering([sf for sf in self._by_label.get(label, []) if sf.quantities[i] is not F.NOT_GIVEN], i, sw)
 
     def parts(self, values: tuple) -> tuple:
         """Each of a segment's four quantities (`values` as sequence() items hold them) as tensor sizes taken from
@@ -483,6 +488,13 @@ def retained(items: list) -> float:
 def ckpt_keeps(it: tuple) -> tuple:
     """(retains, received) of a checkpoint item (ComposedCache.sequence); both False where it has neither."""
     return len(it) > 6 and bool(it[6]), len(it) > 7 and bool(it[7])
+
+
+def _answering(have: list, i: int, sw: dict):
+    """Of the label's entries that give quantity i (most specific first), the first that matches sw, if it covers
+    sw's switch values and determines the quantity."""
+    match = next((sf for sf in have if sf.matches(sw)), None)
+    return match if match is not None and match.covers(sw) and match.quantities[i] is not None else None
 
 
 def _account(cache: ComposedCache, items: list) -> None:

@@ -471,12 +471,12 @@ def _segments(doc: dict, src: str) -> List[SegmentFormula]:
         out.append(SegmentFormula(e["label"], when, tuple(_terms(e[q], f"{w}.{q}", True) if q in e else NOT_GIVEN
                                                           for q in SEGMENT_QUANTITIES),
                                   tuple(sorted((k, tuple(v)) for k, v in raw_seen.items())),
-                                  _measured(e.get("measured"), w, "measured"),
-                                  _measured(e.get("unfitted"), w, "unfitted")))
+                                  _switch_cells(e.get("measured"), w, "measured"),
+                                  _switch_cells(e.get("unfitted"), w, "unfitted")))
     return out
 
 
-def _measured(raw: Any, where: str, key: str) -> tuple:
+def _switch_cells(raw: Any, where: str, key: str) -> tuple:
     if raw is None:
         return (None, None, None, None)
     if not isinstance(raw, dict) or any(q not in SEGMENT_QUANTITIES or not isinstance(v, list) for q, v in raw.items()):

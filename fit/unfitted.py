@@ -52,18 +52,8 @@ def checked(fset, runs: list, tolerance_hidden: float = 0.0, slack_bytes: int = 
                 measured = sample.values.get(q, 0)
                 diff = values[i] - measured
                 off = abs(diff) if q.endswith("delta") else -diff
-                yield (label, i, run, int(measured), diff / hidden, answering(cache, label, i, sw),
+                yield (label, i, run, int(measured), diff / hidden, cache.answering(label, i, sw),
                        off > slack_bytes and off > tolerance_hidden * hidden)
-
-
-def answering(cache: ComposedCache, label: str, i: int, sw: dict):
-    """The entry whose formula the estimator takes for quantity i (ComposedCache._evaluate), or None where it
-    extrapolates (then the config is not counted measured anyway)."""
-    have = [sf for sf in cache._by_label.get(label, []) if sf.quantities[i] is not F.NOT_GIVEN]
-    match = next((sf for sf in have if sf.matches(sw)), None)
-    if match is None or not match.covers(sw) or match.quantities[i] is None:
-        return None
-    return match
 
 
 def split_keys(entry, i: int) -> list:

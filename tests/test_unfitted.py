@@ -54,8 +54,7 @@ def test_a_formula_that_misses_its_runs_stops_counting_as_measured(shipped):
     # One hidden state too many on the GPT base runs only (the GPT base's cell: no GQA, learned positions, ...).
     wrong = copy.deepcopy(doc)
     entry = wrong["segments"][at]
-    x = {"x_gqa": 0, "x_rope": 0}
-    assert all(F.indicators(F.switches(r.config))[k] == 0 for r in base for k in x)
+    assert all(F.indicators(F.switches(r.config))[k] == 0 for r in base for k in ("x_gqa", "x_rope"))
     assert all(F.indicators(F.switches(r.config))["x_rope"] == 1 for r in llama)
     entry["fwd_delta"] = entry["fwd_delta"] + [
         {"coef": 1, "vars": {"s": 1, "b": 1, "h": 1, "e": 1}},
