@@ -485,9 +485,9 @@ def _refine(label: str, q: str, runs: list, cond: dict, fit, cache: dict, depth:
     switch that matters in one corner only (the micro-batch of one, where MQA's query view needs no copy) would
     leave the other parts too few runs each; split here, only that part's runs are divided. A part of the split
     with only an upper bound, pooled over all runs or not, is split by the switch that gives some of its runs an
-    exact formula and the rest a bound (bf16's matmul transient on CPU bounded apart from fp32's exact peak): a bound
-    extrapolates only as far as its terms do. Core attention's backward after its dropout is
-    `a*b*s^2*e/t + s*b*a*d*e/t` on every fp32 run; one bound over bf16's too under-predicted larger configs."""
+    exact formula and the rest a bound (a transient that is exact on one dtype's runs and bounded on the other's):
+    a bound extrapolates only as far as its terms do, and one bound over both under-predicted larger configs (when
+    bf16 traces still held oneDNN's scratchpad, tracer/megatron_compat.py)."""
     bound = _is_bound(fit)
     if not (isinstance(fit, str) or bound) or depth == 0:
         return [(cond, runs, fit)]
@@ -726,6 +726,10 @@ def fit_runs(paths: list[str], name: str, description: str = "", jobs: int = 1,
         # Runs the set had not seen join its provenance (what the estimator counts as traced); its op structure is
         # refitted when the runs include every run it was fitted on, else kept.
         before = [t for t in prov.get("traces") or [] if isinstance(t, dict)]
+        current = {r.path: r for r in runs}
+        for t in before:    # a run traced again in place: its entry says what the trace now holds
+            if t.get("path") in current:
+                t.update(config=current[t["path"]].config, peaks=current[t["path"]].peaks)
         known = {t.get("path") for t in before}
         added = [r for r in runs if r.path not in known]
         prov["traces"] = list(prov.get("traces") or []) + [{"path": r.path, "config": r.config, "peaks": r.peaks}

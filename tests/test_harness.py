@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
+import torch  # noqa: E402
 from tracer.trace_reader import MARK, SCOPE_POP, SCOPE_PUSH, read_trace  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -121,6 +122,7 @@ def test_trace_header_and_common_scopes(runs, name):
         assert set(h["coords"]) == {"tp", "cp", "ep", "dp", "pp"}
         assert h["config"]["hidden_size"] == 64 and h["config"]["world_size"] == nproc
         assert h["versions"]["megatron_core"] == "0.16.1" and h["versions"]["torch"]
+        assert h["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
         peak, live, replaced = _replay_peak(t)
         # The message says enough to tell a lost free from a lost record if this ever fails in CI.
         assert h["allocator_peak_bytes"] == peak > 0, (f"rank {r}: counter peak/live {h['allocator_peak_bytes']}/"
@@ -297,3 +299,13 @@ def test_report_lists_segments(runs, capsys):
         assert run and all(r["peak_bytes"] >= max(0, r["delta_bytes"]) for r in run)
         assert [r["level_bytes"] for r in run] == list(np.cumsum([r["delta_bytes"] for r in run]))
     assert {r["label"] for r in rows if r["phase"] == "bwd"} >= {"layers.*.mlp.linear_fc1", "loss", "output_layer"}
+
+
+def test_cpu_shims_keep_16_bit_gemms_off_onednn():
+    """Where oneDNN would run bf16 GEMMs (AVX-512 BF16, AMX) its per-call scratchpad comes from c10's allocator and
+    the same config would trace differently per machine; the CPU shims turn it off for the traced process."""
+    code = ("import torch; from tracer import megatron_compat; assert torch.backends.mkldnn.enabled; "
+            "megatron_compat.install(); print(torch.backends.mkldnn.enabled)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"

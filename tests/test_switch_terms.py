@@ -331,37 +331,39 @@ def test_a_part_left_undetermined_is_split_on_its_own_by_the_switch_that_matters
     assert any("mb1" in part for part in entry["measured"]["fwd_delta"])
 
 
-def test_a_part_with_only_a_bound_is_split_where_some_of_its_runs_get_an_exact_formula():
-    """linear_proj's forward peak is its output (`s*b*h*e/st`) on fp32 runs, while bf16's CPU matmul adds a transient;
-    over both, only an upper bound without the element size fits (it under-predicted a larger fp32 config). The
-    part is split by dtype: fp32 exact, bf16 on its own."""
+def test_bf16_linear_forward_peak_is_its_output_as_in_fp32():
+    """With 16-bit GEMMs kept off oneDNN (tracer/megatron_compat.py), a bf16 matmul on CPU allocates only its output,
+    as an fp32 one does: linear_proj's forward peak is its output (`s*b*h*e/st`) on fp32 and bf16 runs alike, one
+    formula per SP value (SP adds the reduce-scatter's buffers), no dtype split and no bound. Traces taken with
+    oneDNN's scratchpad (AVX-512 BF16 machines) needed a split by dtype and a bound for bf16."""
     from fit.segment_fit import _is_bound, split_quantity
     label = "layers.*.self_attention.linear_proj"
     runs = _packed_runs("gpt_base", "gpt_bf16", "llama_base", "llama_bf16", "gpt_tp2sp", "llama_tp2sp")
-    _, _, leaves = split_quantity(label, "fwd_peak", runs, {})
-    fp32 = [(cond, fit) for cond, _, fit in leaves if cond.get("sp") is False and cond.get("dtype") == "fp32"]
-    assert len(fp32) == 1 and not _is_bound(fp32[0][1])
-    assert fp32[0][1].terms == [(Fraction(1), parse_monomial("s*b*h*e/st"))]
+    assert {F.switches(r.config)["dtype"] for r in runs} == {"fp32", "bf16"}
+    keys, _, leaves = split_quantity(label, "fwd_peak", runs, {})
+    assert "dtype" not in keys and all(not isinstance(fit, str) and not _is_bound(fit) for _, _, fit in leaves)
+    (no_sp,) = [fit for cond, _, fit in leaves if cond.get("sp") is False]
+    assert no_sp.terms == [(Fraction(1), parse_monomial("s*b*h*e/st"))]
 
 
-def test_a_transient_bounded_over_all_runs_is_split_where_a_switch_makes_it_exact():
-    """Core attention's backward after its dropout peaks at `a*b*s^2*e/t + s*b*a*d*e/t` on every fp32 run; bf16's
-    CPU matmuls add transients no formula of the basis fits. Pooled, only an upper bound fits, and it traded the
-    s^2 term for others that under-predicted larger configs. The pooled bound is split by dtype like any part with
-    only a bound: fp32 exact, and held-out longer fp32 sequences are predicted to the byte."""
+def test_core_attention_backward_after_dropout_is_one_exact_formula_over_dtypes():
+    """Core attention's backward after its dropout peaks at `a*b*s^2*e/t + s*b*a*d*e/t` on fp32 and bf16 runs alike
+    (bf16 GEMMs off oneDNN: no scratchpad transient). Pooled over both, without a split, it predicts held-out longer
+    fp32 sequences to the byte."""
     from fit.segment_fit import _is_bound, fit_label, split_quantity
     label, q = "layers.*.self_attention.core_attention@attention_dropout", "bwd_peak"
     runs = _packed_runs("gpt_base", "llama_base", "gpt_bf16", "llama_bf16", "gpt_tp2", "llama_tp2")
     held = [r for r in runs if r.point["s"] == 128]
     fitted = [r for r in runs if r.point["s"] < 128]
     assert held and all(F.switches(r.config)["dtype"] == "fp32" for r in held)
+    assert {F.switches(r.config)["dtype"] for r in fitted} == {"fp32", "bf16"}
     cache = {}   # the split's part fits, reused by the whole label's fit below
     keys, _, leaves = split_quantity(label, q, fitted, cache)
-    assert keys == ("dtype",)
-    (fp32,) = [fit for cond, _, fit in leaves if cond == {"dtype": "fp32"}]
-    assert not _is_bound(fp32)
-    assert sorted(fp32.terms) == sorted([(Fraction(1), parse_monomial("s*s*b*a*e/t")),
-                                         (Fraction(1), parse_monomial("s*b*a*d*e/t"))])
+    assert keys == ()
+    ((_, _, pooled),) = leaves
+    assert not _is_bound(pooled)
+    assert sorted(pooled.terms) == sorted([(Fraction(1), parse_monomial("s*s*b*a*e/t")),
+                                           (Fraction(1), parse_monomial("s*b*a*d*e/t"))])
     fset = _set_of([e for e in fit_label(label, fitted, cache) if not e["when"]])
     for run in held:
         assert _predict(fset, label, run)[3] == run.samples[label].values[q], run.path

@@ -269,6 +269,14 @@ def _patch_collectives() -> None:
         setattr(dist, name, settled)
 
 
+def _pin_gemm_path() -> None:
+    """Keep 16-bit matrix products off oneDNN. On CPUs with AVX-512 BF16 or AMX, torch runs bf16/fp16 GEMMs
+    through oneDNN, elsewhere through cpublas, which allocates only the output. bf16 traces from another machine
+    held odd-sized transients inside their GEMMs that an AVX2 machine's traces of the same configs lack (README,
+    the CPU layer): the same config must trace alike on every CPU, and a GPU has no per-call buffer of that kind."""
+    torch.backends.mkldnn.enabled = False
+
+
 def install() -> None:
     """Apply every shim once per process (idempotent). Refuses to run where CUDA is actually available."""
     global _installed, _mode
@@ -283,6 +291,7 @@ def install() -> None:
         _patch_rng_tracker()
         _patch_torch_norm()
         _patch_moe()
+        _pin_gemm_path()
         # Entered and never exited: the mode stays on for the rest of the process (main thread; CPU autograd
         # runs backward on the calling thread).
         _mode = _CudaToCpuMode()

@@ -421,6 +421,7 @@ def worker(opts: Options) -> int:
     header = {"format": "megatron-memtrace", "version": 1, "rank": rank, "world_size": world, "coords": None,
               "config": cfg.to_dict() if cfg is not None else None, "argv": list(opts.flags),
               "device": "cpu" if cpu else torch.cuda.get_device_name(),
+              **({"cpu_capability": torch.backends.cpu.get_cpu_capability()} if cpu else {}),
               "backend": backend, "versions": versions(), "iterations": opts.iterations,
               "target": "harness" if opts.is_harness else "pretrain_gpt",
               "routing": "balanced" if opts.balanced_routing else "model"}
