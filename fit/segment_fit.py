@@ -240,14 +240,15 @@ ROBUST_TRIES = 12
 ROBUST_SAMPLE = 8
 
 
-def _consensus(pts: list, ys: list, cands: list, fixed, ties, seed: int):
-    """The consensus search's trials (_robust, _max_fit): for each of ROBUST_TRIES seeded random samples of
-    ROBUST_SAMPLE runs that an exact formula fits, that formula's prediction for every run."""
+def _consensus(pts: list, ys: list, cands: list, fixed, ties, seed: int, tries: int = ROBUST_TRIES,
+               size: int = ROBUST_SAMPLE):
+    """The consensus search's trials (_robust, _max_fit): for each of `tries` seeded random samples of `size`
+    runs that an exact formula fits, that formula's prediction for every run."""
     import random
     rng = random.Random(seed)
     n = len(pts)
-    for _ in range(ROBUST_TRIES):
-        sample = rng.sample(range(n), min(ROBUST_SAMPLE, n))
+    for _ in range(tries):
+        sample = rng.sample(range(n), min(size, n))
         try:
             trial = fit_group([pts[i] for i in sample], [ys[i] for i in sample], cands, fixed=fixed, ties=ties,
                               max_terms=4)
@@ -283,6 +284,10 @@ class MaxFit:
 
 
 MAX_MINORITY = 0.45   # the second pattern may be the larger on at most this share of the runs
+# A sample must come from the first pattern's runs alone: with 5 of 17 runs on the second pattern, 8 runs (the
+# robust search's sample) are all on the first in 2% of the samples, 5 runs in 13%. With the first pattern on 60%
+# of the runs, 60 samples of 5 all miss it with a chance under 1%.
+MAX_TRIES, MAX_SAMPLE = 60, 5
 
 
 def _max_fit(label: str, q: str, runs: list, reason: str):
@@ -299,7 +304,7 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
     if n < 8:
         return reason
     cands = candidates(label)
-    for guess in _consensus(pts, ys, cands, fixed, ties, n + 1):
+    for guess in _consensus(pts, ys, cands, fixed, ties, n + 1, MAX_TRIES, MAX_SAMPLE):
         off = [i for i in range(n) if abs(guess[i] - ys[i]) > SLACK_BYTES]
         if not off or len(off) > MAX_MINORITY * n or any(guess[i] > ys[i] for i in off):
             continue
@@ -369,7 +374,10 @@ def _split_fit(label: str, q: str, runs: list, cache: dict):
     if isinstance(fit, str) and q.endswith("_peak"):
         key = (label, q, "bound", tuple(sorted(id(r) for r in runs)))
         if key not in cache:
-            cache[key] = _bound(label, q, runs, fit)
+            # The larger of two exact patterns first (the untied output layer's bf16 backward under SP: its
+            # gradients, or the weight gradient's fp32 copy once the logits' gradient is freed); a bound else.
+            larger = fit if moe_tokens.routed(label) else _max_fit(label, q, runs, fit)
+            cache[key] = larger if isinstance(larger, MaxFit) else _bound(label, q, runs, fit)
         fit = cache[key]
     return fit
 
@@ -460,7 +468,8 @@ def _guard_small(label: str, q: str, leaves: list) -> list:
     exactly by a coincidence (`18*s*d*e - 288*a*d*e/t` for a copy of s*b*(a + 2g)*d elements, on two runs of b = 1
     and two of b = 3). A leaf no formula of the whole basis determines (`ambiguous`: g is 1 on all its runs) may be
     determined on those terms."""
-    known = {m for _, rs, v in leaves if not isinstance(v, str) and rs and len(rs) >= SMALL_PART for _, m in v.terms}
+    known = {m for _, rs, v in leaves if not isinstance(v, str) and rs and len(rs) >= SMALL_PART
+             for alt in (v.alternatives if isinstance(v, MaxFit) else (v,)) for _, m in alt.terms}
     out = []
     for cond, rs, v in leaves:
         if not rs or not known or not (isinstance(v, str) or len(rs) < SMALL_PART) or \
@@ -534,7 +543,7 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
             continue
         done = {part: v for part, v in fits.items() if not isinstance(v, str)}
         parts = _parts(runs, keys)
-        merged = merge(keys, {part: _in_e(v.terms, parts[part]) for part, v in done.items()})
+        merged = _merged(keys, done, parts)
         if merged is None and not keys:     # undetermined on the pooled runs
             pooled[q] = None
             notes += _notes(q, leaf_fits)
@@ -542,7 +551,7 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
         if merged is None:
             by_keys.setdefault(keys, {})[q] = fits
             continue
-        pooled[q] = merged
+        pooled[q] = {"max": [_written(alt) for alt in merged["max"]]} if isinstance(merged, dict) else merged
         if keys:
             # A part no formula of its own fits is measured too where the merged formula reproduces its runs.
             agree = [cond for cond, rs, fit in leaves if isinstance(fit, str) and rs and
@@ -570,7 +579,8 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
             part_notes = []
             for q, fits in qfits.items():
                 v = fits[part]
-                entry[q] = None if isinstance(v, str) else _written(v.terms)
+                entry[q] = None if isinstance(v, str) else \
+                    {"max": [_written(alt.terms) for alt in v.alternatives]} if isinstance(v, MaxFit) else _written(v.terms)
                 part_notes += _notes(q, {part: v})
             if part_notes:
                 entry["note"] = "; ".join(part_notes)
@@ -578,13 +588,27 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
     return out
 
 
+def _merged(keys: tuple, done: dict, parts: dict):
+    """The parts' formulas merged into one over switch indicators (switch_terms.merge), or None. Where some parts
+    are the larger of two patterns (MaxFit), each pattern is merged on its own, a part of one formula giving it to
+    both: `{"max": [terms, terms]}`, whose larger is every part's formula again."""
+    n = max((len(v.alternatives) for v in done.values() if isinstance(v, MaxFit)), default=0)
+    if not n:
+        return merge(keys, {part: _in_e(v.terms, parts[part]) for part, v in done.items()})
+    alts = [merge(keys, {part: _in_e((v.alternatives[min(j, len(v.alternatives) - 1)] if isinstance(v, MaxFit)
+                                      else v).terms, parts[part]) for part, v in done.items()}) for j in range(n)]
+    return None if any(a is None for a in alts) else {"max": alts}
+
+
 def _leaf_key(cond: dict) -> tuple:
     return tuple(f"{k}={v}" for k, v in cond.items())
 
 
-def _reproduces(terms: list, label: str, q: str, run) -> bool:
+def _reproduces(terms, label: str, q: str, run) -> bool:
     env = {**run.point, **{k: Fraction(v) for k, v in indicators(run.switches).items()}}
-    return sum((c * basis.evaluate(m, env) for c, m in terms), Fraction(0)) == run.samples[label].values.get(q, 0)
+    alts = terms["max"] if isinstance(terms, dict) else [terms]
+    return max(sum((c * basis.evaluate(m, env) for c, m in alt), Fraction(0)) for alt in alts) == \
+        run.samples[label].values.get(q, 0)
 
 
 def _in_e(terms: list, runs: list) -> list:

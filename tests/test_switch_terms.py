@@ -405,3 +405,29 @@ def test_routing_by_softmax_before_the_top_k_is_a_switch_of_the_router_only():
     for run in held:
         assert F.switches(run.config)["pre_softmax"] and run.point["k"] == 2
         assert _predict(fset, label, run)[0] == run.samples[label].values["fwd_delta"], run.path
+
+
+def test_output_layer_backward_is_the_larger_of_two_patterns_merged_over_dtypes():
+    """The untied output layer's backward under TP + SP peaks at the larger of two allocation patterns: its input
+    gathered, the input gradient before and after the reduce-scatter and the weight gradient
+    (`(5/2)*s*b*h*e + v*h*e/t` at TP 2), or, in bf16 once the logits' gradient is freed, the weight gradient with its
+    fp32 copy for the main gradient (`3*v*h*e/t - s*b*v*e/t`). Fitted on bf16 runs (the first pattern the larger
+    on 5 of 15) and fp32 runs (the first only), the parts merge pattern by pattern (`{"max": [...]}`), and held-out
+    longer bf16 runs at other shapes are predicted to the byte."""
+    import os
+    from fit.segment_fit import MaxFit, _split_fit, fit_label
+    label, q = "output_layer", "bwd_peak"
+    long = _packed_runs("llama_bf16_tp2sp_long")
+    fitted_long = ("llama_bf16_tp2sp_long_s128_b1_h64_a4", "llama_bf16_tp2sp_long_s96_b2_h64_a4")
+    bf16 = _packed_runs("llama_bf16_tp2sp") + [r for r in long if os.path.basename(r.path) in fitted_long]
+    held = [r for r in long if os.path.basename(r.path) not in fitted_long]
+    fp32 = _packed_runs("llama_tp2sp")
+    assert held and all(F.switches(r.config)["dtype"] == "fp32" for r in fp32)
+    larger = _split_fit(label, q, bf16, {})
+    assert isinstance(larger, MaxFit)
+    assert sorted(str(alt) for alt in larger.alternatives) == ["(5/2)*s*b*h*e + h*v*e/t", "-1*s*b*v*e/t + 3*h*v*e/t"]
+    (entry,) = [e for e in fit_label(label, bf16 + fp32, {}) if not e["when"]]
+    assert set(entry[q]) == {"max"} and entry["measured"][q]
+    fset = _set_of([entry])
+    for run in held + fp32 + bf16:
+        assert _predict(fset, label, run)[3] == run.samples[label].values[q], run.path

@@ -72,14 +72,14 @@ def shape_flags(shape) -> dict:
     return d
 
 
-def _entry(prefix: str, flags: dict, shape) -> dict:
-    """One grid config: the flags at one shape (GQA groups that divide the heads; bf16 small, as it is ~14x slower
-    on CPU), named by the prefix and the shape."""
+def _entry(prefix: str, flags: dict, shape, short: bool = True) -> dict:
+    """One grid config: the flags at one shape (GQA groups that divide the heads; bf16 small unless not `short`, as
+    it is ~14x slower on CPU), named by the prefix and the shape."""
     f = dict(flags)
     f.update(shape_flags(shape))
     if "--num-query-groups" in f and f["--num-attention-heads"] % 2:
         f["--num-query-groups"] = 3 if f["--num-attention-heads"] % 3 == 0 else 1
-    if "--bf16" in f:
+    if "--bf16" in f and short:
         f["--seq-length"], f["--micro-batch-size"] = min(f["--seq-length"], 48), min(f["--micro-batch-size"], 2)
     nproc = 2 if any(x in f for x in ("--tensor-model-parallel-size", "--expert-model-parallel-size")) else 1
     s, b, h = f["--seq-length"], f["--micro-batch-size"], f["--hidden-size"]
@@ -323,8 +323,24 @@ def bf16_configs() -> list:
     return combinations(BF16_PAIRS, 2, 0)[0]
 
 
+# The untied output layer's backward in bf16 peaks at the larger of two patterns: the gathered input, the input
+# gradient and the weight gradient (s*b*h*e/st + 2*s*b*h*e [SP] + v*h*e/t), or, once the logits' gradient is freed,
+# the weight gradient with its fp32 copy for the main gradient (3*v*h*e/t - s*b*v*e/t). The short bf16 shapes above
+# are mostly on the second side (s*b < 2*h*v/(h + v)); these longer sequences, with and without SP and with
+# micro-batches of one sequence and of two, are on the first.
+# The linear layers' bf16 backward likewise: the short shapes put its weight gradient's pattern above its
+# activation gradients'.
+BF16_LONG = [("llama_bf16_long", LLAMA, TOGGLE["bf16"][0]),
+             ("llama_bf16_tp2sp_long", LLAMA, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}),
+             ("gpt_bf16_long", GPT, TOGGLE["bf16"][0]),
+             ("gpt_bf16_tp2sp_long", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]})]
+BF16_LONG_SHAPES = ((128, 1, 64, 4, None, None, 256), (96, 2, 64, 4, None, 192, 384), (128, 2, 96, 6, None, None, 320),
+                    (160, 1, 64, 8, None, None, 256), (64, 3, 64, 4, None, None, 320), (112, 2, 96, 4, None, 256, 384))
+
+
 def layout_configs() -> list:
-    out = []
+    out = [_entry(name, {**base, **add}, shape, short=False) for name, base, add in BF16_LONG
+           for shape in BF16_LONG_SHAPES]
     for name, base, add, shapes in LAYOUTS:
         for j in shapes:   # an index into SHAPES, or a shape of its own
             e = _entry(name, {**base, **add}, SHAPES[j] if isinstance(j, int) else j)
