@@ -537,10 +537,6 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
             continue
         keys, fits, leaves = split_quantity(label, q, runs, cache)
         leaf_fits = {_leaf_key(cond): fit for cond, _, fit in leaves}
-        if isinstance(fits.get(()), MaxFit):     # pooled, the larger of two patterns: written as is
-            pooled[q] = {"max": [_written(_in_e(alt.terms, runs)) for alt in fits[()].alternatives]}
-            notes += _notes(q, leaf_fits)
-            continue
         done = {part: v for part, v in fits.items() if not isinstance(v, str)}
         parts = _parts(runs, keys)
         merged = _merged(keys, done, parts)
@@ -551,7 +547,7 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
         if merged is None:
             by_keys.setdefault(keys, {})[q] = fits
             continue
-        pooled[q] = {"max": [_written(alt) for alt in merged["max"]]} if isinstance(merged, dict) else merged
+        pooled[q] = _written_max(merged["max"]) if isinstance(merged, dict) else merged
         if keys:
             # A part no formula of its own fits is measured too where the merged formula reproduces its runs.
             agree = [cond for cond, rs, fit in leaves if isinstance(fit, str) and rs and
@@ -579,8 +575,8 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
             part_notes = []
             for q, fits in qfits.items():
                 v = fits[part]
-                entry[q] = None if isinstance(v, str) else \
-                    {"max": [_written(alt.terms) for alt in v.alternatives]} if isinstance(v, MaxFit) else _written(v.terms)
+                entry[q] = None if isinstance(v, str) else _written_max([alt.terms for alt in v.alternatives]) \
+                    if isinstance(v, MaxFit) else _written(v.terms)
                 part_notes += _notes(q, {part: v})
             if part_notes:
                 entry["note"] = "; ".join(part_notes)
@@ -590,14 +586,19 @@ def fit_label(label: str, runs: list, cache: dict) -> list[dict]:
 
 def _merged(keys: tuple, done: dict, parts: dict):
     """The parts' formulas merged into one over switch indicators (switch_terms.merge), or None. Where some parts
-    are the larger of two patterns (MaxFit), each pattern is merged on its own, a part of one formula giving it to
-    both: `{"max": [terms, terms]}`, whose larger is every part's formula again."""
+    are the larger of two patterns (MaxFit; pooled, the only part), each pattern is merged on its own, a part of one
+    formula giving it to both: `{"max": [terms, terms]}`, whose larger is every part's formula again."""
     n = max((len(v.alternatives) for v in done.values() if isinstance(v, MaxFit)), default=0)
     if not n:
         return merge(keys, {part: _in_e(v.terms, parts[part]) for part, v in done.items()})
     alts = [merge(keys, {part: _in_e((v.alternatives[min(j, len(v.alternatives) - 1)] if isinstance(v, MaxFit)
                                       else v).terms, parts[part]) for part, v in done.items()}) for j in range(n)]
     return None if any(a is None for a in alts) else {"max": alts}
+
+
+def _written_max(alternatives: list) -> dict:
+    """A quantity that is the larger of its alternatives (term lists), as the set writes it (FORMATS 4.1)."""
+    return {"max": [_written(terms) for terms in alternatives]}
 
 
 def _leaf_key(cond: dict) -> tuple:
