@@ -248,7 +248,8 @@ def _vary_hint(points: list[Point], a: Terms, b: Terms, pinned: set = frozenset(
 
 def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], *, fixed: set = frozenset(),
               ties: Mapping[str, str] | None = None, max_terms: int = 6, exhaustive: int = 3,
-              max_den: int = 1000, tolerance: float = 0.0, bound: float = 0.0, largest_untraced: bool = False) -> Fit:
+              max_den: int = 1000, tolerance: float = 0.0, bound: float = 0.0, largest_untraced: bool = False,
+              guess: bool = False) -> Fit:
     """Sparsest determined fit of ys over the candidate monomials.
 
     `fixed`: variables constant over the whole domain of the formula (e when the dtype is pinned), so fits that
@@ -257,7 +258,8 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
     which are a max over allocation patterns and so need not be one polynomial) finally accepts a nonnegative
     fit that never under-predicts a traced config and over-predicts by at most `bound`. `largest_untraced`: exact
     fits that differ only at parallel sizes no point has (TP 2 on every run) are not refused as ambiguous; the
-    largest there is taken (see _pick). Raises FitRefused.
+    largest there is taken (see _pick). `guess`: of exact fits that differ in the domain, the first in basis order
+    instead of a refusal (a consensus search's trial, which the other points then check). Raises FitRefused.
     """
     ties = dict(ties or {})
     pts, yv = _dedupe(points, ys)
@@ -276,7 +278,7 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
     for size in range(1, min(exhaustive, n - 2) + 1):
         found = _exact_fits(pb, size, max_den, screen_tol)
         if found:
-            return _pick(pb, found, probes, pinned, largest_untraced)
+            return _pick(pb, found, probes, pinned, largest_untraced, guess)
     # Larger formulas: greedy, then a swap check for an equally good but different alternative.
     limit = min(max_terms, n - 2)
     cols = _greedy(pb, limit) if limit > exhaustive else ()
@@ -293,7 +295,7 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
                 alt = tuple(sorted(cols[:i] + (j,) + cols[i + 1:]))
                 if pb.screen(alt) <= screen_tol and (c2 := pb.rational(alt, max_den)) is not None:
                     alts.append((alt, c2))
-            return _pick(pb, alts, probes, pinned, largest_untraced)
+            return _pick(pb, alts, probes, pinned, largest_untraced, guess)
     if tolerance > 0:
         cols = _greedy(pb, limit)
         if cols:
@@ -347,7 +349,7 @@ def bound_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
 
 
 def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset(),
-          largest_untraced: bool = False) -> Fit:
+          largest_untraced: bool = False, guess: bool = False) -> Fit:
     """Among equally sparse exact fits, the first in basis order, unless another differs in the domain; with
     `largest_untraced`, one that differs only at parallel sizes no point has leaves the largest there."""
     found.sort(key=lambda fc: fc[0])
@@ -356,6 +358,8 @@ def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset
     n = len(pb.points)
     if n < len(cols) + 2:
         raise FitRefused(f"underdetermined: {len(cols)} term(s) need at least {len(cols) + 2} configs, have {n}")
+    if guess:
+        return _finish(pb, best, exact=True)
     rivals = []
     traced = _at_traced_parallel_sizes(pb.points, probes) if largest_untraced else []
     for cols2, coefs2 in found[1:]:

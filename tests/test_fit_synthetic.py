@@ -276,6 +276,21 @@ def test_refuses_collinear_features_and_names_the_ratio():
         solve.fit_group(pts, ys, cands)
 
 
+def test_a_consensus_guess_takes_the_first_of_formulas_the_sample_cannot_tell_apart():
+    """A consensus search's sample where b is 2 on every run cannot tell s*b*h*e from 2*s*h*e: fit_group refuses,
+    and with `guess` gives the first in basis order, whose prediction the search's other runs then check."""
+    pts = _pts([(32, 2, 64, 4, 16, 1, 2), (48, 2, 96, 4, 24, 1, 2), (40, 2, 128, 8, 16, 1, 2),
+                (64, 2, 64, 8, 8, 1, 2), (24, 2, 96, 6, 16, 1, 2)])
+    cands = [mono("s*b*h*e"), mono("s*h*e")]
+    ys = [int(p["s"] * p["b"] * p["h"] * p["e"]) for p in pts]
+    with pytest.raises(solve.FitRefused, match=r"ambiguous.*vary b \(always 2 here"):
+        solve.fit_group(pts, ys, cands)
+    fit = solve.fit_group(pts, ys, cands, guess=True)
+    assert [str(m) for _, m in fit.terms] == [str(mono("s*b*h*e"))] and fit.exact
+    three = {**pts[0], "b": F(3)}
+    assert fit.predict(three) == 3 * pts[0]["s"] * pts[0]["h"] * pts[0]["e"]
+
+
 def test_refuses_too_few_configs():
     rows = [(32, 2, 64, 4, 16, 1, 4), (64, 2, 64, 4, 16, 1, 4), (64, 1, 64, 4, 16, 1, 4)]
     pts = _pts(rows)

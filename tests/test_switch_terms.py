@@ -431,3 +431,58 @@ def test_output_layer_backward_is_the_larger_of_two_patterns_merged_over_dtypes(
     fset = _set_of([entry])
     for run in held + fp32 + bf16:
         assert _predict(fset, label, run)[3] == run.samples[label].values[q], run.path
+
+
+def test_word_embedding_backward_is_the_larger_of_two_patterns_once_micro_batches_vary():
+    """The tied word embedding's bf16 backward (no TP, micro-batches of more than one sequence) peaks at the larger
+    of two allocation patterns: the weight gradient's fp32 copy for the main gradient once the output gradient is
+    freed (`2*v*h*e - s*b*h*e - 4*s*b*e`: the shared weight's gradient from the output layer is held until then), or
+    the weight gradient beside the output gradient's transposed copy (`v*h*e + s*b*h*e`), the larger at long
+    sequences. On short runs of two sequences alone the first cannot be told from `... - 2*s*h*e ...`, so a
+    consensus sample of them is a guess the other runs check; runs of three and four sequences determine it. Fitted
+    so, held-out runs (a longer sequence, the Llama-style base tied) are predicted to the byte."""
+    import os
+
+    from fit.segment_fit import MaxFit, _split_fit
+    label, q = "embedding.word_embeddings", "bwd_peak"
+    runs = [r for r in _packed_runs("gpt_bf16", "gpt_bf16_rms", "gpt_bf16_swiglu", "gpt_bf16_gqa", "gpt_bf16_nobias",
+                                    "gpt_bf16_dropout", "gpt_bf16_batch", "gpt_bf16_long", "llama_bf16_tied")
+            if r.point["b"] > 1]
+    held_names = ("gpt_bf16_long_s144_b2_h64_a4", "llama_bf16_tied_s48_b2_h64_a4")
+    held = [r for r in runs if os.path.basename(r.path) in held_names]
+    fitted = [r for r in runs if r not in held]
+    assert len(held) == 2 and all(F.switches(r.config)["dtype"] == "bf16" and F.switches(r.config)["tied"]
+                                  for r in runs)
+    larger = _split_fit(label, q, fitted, {})
+    assert isinstance(larger, MaxFit)
+    assert sorted(str(alt) for alt in larger.alternatives) == \
+        ["-1*s*b*h*e/st - 4*s*b*e + 2*h*v*e/t", "s*b*h*e/st + h*v*e/t"]
+    for run in held + fitted:
+        assert larger.predict(run.point) == run.samples[label].values[q], run.path
+    # Both patterns are the larger on some runs, held-out ones included.
+    sides = {max(range(2), key=lambda j: larger.alternatives[j].predict(r.point)) for r in held}
+    assert sides == {0, 1}
+
+
+def test_a_robust_fit_that_leaves_runs_above_it_gives_way_to_the_larger_of_two_patterns():
+    """The untied word embedding's bf16 backward (no TP, more than one sequence) is the weight gradient with its fp32
+    copy (`3*v*h*e - s*b*h*e - 4*s*b*e`) on all but the longest runs, where the weight gradient beside the output
+    gradient's copy (`s*b*h*e + v*h*e`) is larger. The robust fit (exact on all but a few runs) takes the first and
+    leaves those runs out as deviating; as they lie above it, they are the other pattern, and the part's fit is the
+    larger of the two, reproducing every run."""
+    from fit.segment_fit import MaxFit, _fit_part, _split_fit
+    label, q = "embedding.word_embeddings", "bwd_peak"
+    runs = [r for r in _packed_runs("llama_bf16", "llama_bf16_gelu", "llama_bf16_ln", "llama_bf16_mha",
+                                    "llama_bf16_bias", "llama_bf16_learned", "llama_bf16_dropout", "gpt_bf16_untied",
+                                    "llama_gk_default_bf16", "llama_gk_fsm", "llama_gk_fsm_off", "llama_moe_a2a_bf16",
+                                    "llama_bf16_batch", "llama_bf16_long") if r.point["b"] > 1]
+    robust = _fit_part(label, q, runs, {}, robust=True)
+    under = [r for r in runs if robust.predict(r.point) < r.samples[label].values[q]]
+    assert str(robust) == "-1*s*b*h*e/st - 4*s*b*e + 3*h*v*e/t" and len(under) >= 4
+    assert all("_long_" in r.path for r in under)
+    larger = _split_fit(label, q, runs, {})
+    assert isinstance(larger, MaxFit)
+    assert sorted(str(alt) for alt in larger.alternatives) == \
+        ["-1*s*b*h*e/st - 4*s*b*e + 3*h*v*e/t", "s*b*h*e/st + h*v*e/t"]
+    for run in runs:
+        assert larger.predict(run.point) == run.samples[label].values[q], run.path

@@ -269,7 +269,10 @@ LAYOUTS = [  # (name, base, flags, shapes: indices into SHAPES or shapes)
     # embedding's backward and the loss head's own code under TP were measured for those two corners only), and
     # bf16 under TP + SP; one micro-batch of one sequence and one of more in each.
     ("gpt_tp2_rope", GPT, {**TOGGLE["tp2"][0], **TOGGLE["rope"][0]}, (0, 1)),
-    ("gpt_tp2sp_rope", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rope"][0]}, (2, 3)),
+    ("gpt_tp2sp_rope", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rope"][0]}, (2, 3, 0, 4)),
+    # (the word embedding's fp32 backward under SP also differs by position type: untied with learned positions)
+    ("gpt_tp2sp_untied", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["untied"][0]},
+     (0, 5, 4, 3, 2, (112, 2, 64, 4, None, None, 320), (96, 3, 96, 6, None, None, 448))),
     ("gpt_tp2sp_rms", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rms"][0]}, (4, 1)),
     ("llama_tp2_learned", LLAMA, {**TOGGLE["tp2"][0], "--position-embedding-type": "learned_absolute"}, (0, 3)),
     ("llama_tp2sp_learned", LLAMA, {**TOGGLE["tp2sp"][0], "--position-embedding-type": "learned_absolute"},
@@ -335,12 +338,20 @@ BF16_LONG = [("llama_bf16_long", LLAMA, TOGGLE["bf16"][0]),
              ("gpt_bf16_long", GPT, TOGGLE["bf16"][0]),
              ("gpt_bf16_tp2sp_long", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]})]
 BF16_LONG_SHAPES = ((128, 1, 64, 4, None, None, 256), (96, 2, 64, 4, None, 192, 384), (128, 2, 96, 6, None, None, 320),
-                    (160, 1, 64, 8, None, None, 256), (64, 3, 64, 4, None, None, 320), (112, 2, 96, 4, None, 256, 384))
+                    (160, 1, 64, 8, None, None, 256), (64, 3, 64, 4, None, None, 320), (112, 2, 96, 4, None, 256, 384),
+                    (192, 1, 64, 4, None, None, 256), (176, 1, 96, 6, None, 256, 256), (144, 2, 64, 4, None, None, 256),
+                    (192, 2, 64, 4, None, None, 256), (128, 3, 96, 6, None, 256, 320), (240, 2, 96, 4, None, None, 384))
+
+# The same bases at short sequences with micro-batches of three and four: every short bf16 run above has one or two
+# sequences, so the weight gradient's side of those maxima could not tell s*b*h from 2*s*h (b = 2 on all of a part).
+BF16_BATCH_SHAPES = ((24, 3, 128, 4, None, None, 512), (16, 4, 96, 6, None, 256, 640))
 
 
 def layout_configs() -> list:
     out = [_entry(name, {**base, **add}, shape, short=False) for name, base, add in BF16_LONG
            for shape in BF16_LONG_SHAPES]
+    out += [_entry(name.replace("_long", "_batch"), {**base, **add}, shape, short=False)
+            for name, base, add in BF16_LONG for shape in BF16_BATCH_SHAPES]
     for name, base, add, shapes in LAYOUTS:
         for j in shapes:   # an index into SHAPES, or a shape of its own
             e = _entry(name, {**base, **add}, SHAPES[j] if isinstance(j, int) else j)
