@@ -375,23 +375,21 @@ def _split_fit(label: str, q: str, runs: list, cache: dict):
     leaves a part with only a bound (a maximum over allocation patterns, e.g. one for b = 1 and another for b > 1)
     still counts as covering it."""
     fit = _fit_part(label, q, runs, cache, robust=True)
-    if q.endswith("_peak") and not isinstance(fit, str) and not moe_tokens.routed(label) and \
-            any(float(fit.predict(r.point)) < r.samples[label].values.get(q, 0) - SLACK_BYTES for r in runs):
-        # A robust fit that leaves out runs above it: where those runs are another allocation pattern (the
-        # activation gradient at long sequences, the weight gradient's fp32 copy at short ones), the larger of the
-        # two holds on every run; left out, they would be under-predicted.
-        key = (label, q, "max", tuple(sorted(id(r) for r in runs)))
-        if key not in cache:
-            cache[key] = _max_fit(label, q, runs, "")
-        if isinstance(cache[key], MaxFit):
-            return cache[key]
-    if isinstance(fit, str) and q.endswith("_peak"):
-        key = (label, q, "bound", tuple(sorted(id(r) for r in runs)))
+    if not q.endswith("_peak"):
+        return fit
+    # A robust fit that leaves out runs above it: where those runs are another allocation pattern (the activation
+    # gradient at long sequences, the weight gradient's fp32 copy at short ones), the larger of the two holds on
+    # every run; left out, they would be under-predicted.
+    under = not isinstance(fit, str) and \
+        any(float(fit.predict(r.point)) < r.samples[label].values.get(q, 0) - SLACK_BYTES for r in runs)
+    if isinstance(fit, str) or under:
+        key = (label, q, "peak", tuple(sorted(id(r) for r in runs)))
         if key not in cache:
             # The larger of two exact patterns first (the untied output layer's bf16 backward under SP: its
-            # gradients, or the weight gradient's fp32 copy once the logits' gradient is freed); a bound else.
-            larger = fit if moe_tokens.routed(label) else _max_fit(label, q, runs, fit)
-            cache[key] = larger if isinstance(larger, MaxFit) else _bound(label, q, runs, fit)
+            # gradients, or the weight gradient's fp32 copy once the logits' gradient is freed); else the robust
+            # fit as it is, or for a part without one, a bound.
+            larger = fit if moe_tokens.routed(label) else _max_fit(label, q, runs, "" if under else fit)
+            cache[key] = larger if isinstance(larger, MaxFit) else fit if under else _bound(label, q, runs, fit)
         fit = cache[key]
     return fit
 
