@@ -15,6 +15,7 @@ the values the entry's runs had, and `measured` the parts each quantity was meas
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import sys
 from collections import Counter
@@ -458,6 +459,7 @@ def split_quantity(label: str, q: str, runs: list, cache: dict) -> tuple:
         leaves += _refine(label, q, parts[part], dict(zip(keys, part)), v, cache, REFINE_DEPTH)
     leaves = [(cond, rs, _deep(label, q, rs, v) if isinstance(v, str) else v) for cond, rs, v in leaves]
     leaves = _guard_small(label, q, leaves)
+    leaves = _pooled(label, q, leaves, cache)
     leaves = [(cond, rs, _approximate(label, q, rs, v) if isinstance(v, str) else v) for cond, rs, v in leaves]
     # Every leaf's runs in cells of all the switches any leaf was split by (in ORDER, so quantities split by the
     # same switches share entries): what the merge (switch_terms) takes.
@@ -474,14 +476,85 @@ REFINE_DEPTH = 2   # switches (or pairs) a part left undetermined by the common 
 SMALL_PART = 6     # a part of fewer runs may use only terms that parts of at least this many runs use
 
 
+def _known_terms(leaves: list) -> set:
+    """The monomials of the formulas of leaves of at least SMALL_PART runs."""
+    return {m for _, rs, v in leaves if not isinstance(v, str) and rs and len(rs) >= SMALL_PART
+            for alt in (v.alternatives if isinstance(v, MaxFit) else (v,)) for _, m in alt.terms}
+
+
+def _pooled(label: str, q: str, leaves: list, cache: dict) -> list:
+    """Leaves left without a formula, each given the exact formula of its runs pooled with those of the leaves that
+    differ from it in one switch of its condition (else in two), where one formula reproduces every pooled run: the
+    switch does not change these bytes there. A switch that matters in one corner only (the position type under
+    SP, for the word embedding's backward) splits every part alike, and leaves another part's runs (TP without SP:
+    four runs, all at TP 2) too few to determine its formula alone. A pool of fewer than SMALL_PART runs may use
+    only the terms larger leaves use (_guard_small's rule), and a pooled formula's coefficients must be dyadic
+    (_dyadic). A transient where no pool has one exact formula takes a pool's bound (_pool_bound): it errs high,
+    by at most PEAK_BOUND of each run's peak."""
+    if not any(isinstance(v, str) and rs for _, rs, v in leaves):
+        return leaves
+    known = _known_terms(leaves)
+    bounds = q.endswith("_peak") and not moe_tokens.routed(label)
+    every = [r for _, rs, _ in leaves for r in rs or ()]
+    out = []
+    for cond, rs, v in leaves:
+        if not isinstance(v, str) or not rs:
+            out.append((cond, rs, v))
+            continue
+        got = None
+        keys = [k for k in reversed(ORDER) if k in cond]
+        for bounded, n in ((False, 1), (False, 2), (True, 1), (True, 2)):
+            if bounded and not bounds:
+                break
+            for drop in itertools.combinations(keys, n):
+                rest = {k: x for k, x in cond.items() if k not in drop}
+                pool = [r for r in every if all(r.switches.get(k) == x for k, x in rest.items())]
+                if len(pool) <= len(rs) or (bounded and len(pool) < SMALL_PART):
+                    continue
+                fit = _pool_bound(label, q, pool, cache) if bounded else _fit_part(label, q, pool, cache)
+                if not bounded and not isinstance(fit, str) and len(pool) < SMALL_PART and \
+                        any(m not in known for _, m in fit.terms):
+                    pts, ys, fixed, ties = _problem(label, q, pool)
+                    fit = _fit(list(zip(pts, ys)), [m for m in candidates(label) if m in known], fixed, ties)
+                if not isinstance(fit, str) and _dyadic(fit):
+                    got = copy.copy(fit)    # (a cached fit is shared)
+                    got.notes = fit.notes + [f"pooled over {', '.join(drop)} with {len(pool) - len(rs)} more runs"]
+                    break
+            if got is not None:
+                break
+        out.append((cond, rs, v if got is None else got))
+    return out
+
+
+def _dyadic(fit) -> bool:
+    """Whether every coefficient's denominator is a power of two. Bytes are whole elements of 1, 2, 4 or 8 bytes
+    split over parallel sizes that are powers of two, so a formula with 63/41 in it is a coincidence of the runs
+    (a pool whose runs at b = 1 have two distinct shapes between them, fitted within a few bytes by five terms)."""
+    alts = fit.alternatives if isinstance(fit, MaxFit) else (fit,)
+    return all(Fraction(c).denominator & (Fraction(c).denominator - 1) == 0 for alt in alts for c, _ in alt.terms)
+
+
+def _pool_bound(label: str, q: str, pool: list, cache: dict):
+    """A transient's fit over a pool where no one formula is exact: the larger of two patterns or an upper bound
+    (_split_fit), taken only where it never under-predicts a pooled run and over-predicts each by at most
+    PEAK_BOUND of its peak (the position type's hidden state less under SP at b = 1 is then over-predicted)."""
+    fit = _split_fit(label, q, pool, cache)
+    if isinstance(fit, str):
+        return fit
+    for r in pool:
+        over = float(fit.predict(r.point)) - r.samples[label].values.get(q, 0)
+        if over < -SLACK_BYTES or over > PEAK_BOUND * max(r.peaks):
+            return "a pooled bound off its runs"
+    return fit
+
+
 def _guard_small(label: str, q: str, leaves: list) -> list:
     """Leaves of fewer than SMALL_PART runs refitted on the terms the larger parts use, a formula with other terms
     dropped (the leaf is then predicted by the merged formula): with 36 candidate terms, four runs are often fitted
     exactly by a coincidence (`18*s*d*e - 288*a*d*e/t` for a copy of s*b*(a + 2g)*d elements, on two runs of b = 1
     and two of b = 3). A leaf no formula of the whole basis determines (`ambiguous`: g is 1 on all its runs) may be
     determined on those terms."""
-    known = {m for _, rs, v in leaves if not isinstance(v, str) and rs and len(rs) >= SMALL_PART
-             for alt in (v.alternatives if isinstance(v, MaxFit) else (v,)) for _, m in alt.terms}
+    known = _known_terms(leaves)
     out = []
     for cond, rs, v in leaves:
         if not rs or not known or not (isinstance(v, str) or len(rs) < SMALL_PART) or \
@@ -658,7 +731,7 @@ def _notes(q: str, fits: dict) -> list:
             out.append(f"{q}{where}: {v}")
         else:
             out += [f"{q}{where}: {n}" for n in v.notes
-                    if any(w in n for w in ("deviate", "within", "bound", "patterns"))]
+                    if any(w in n for w in ("deviate", "within", "bound", "patterns", "pooled"))]
     return out
 
 

@@ -486,3 +486,44 @@ def test_a_robust_fit_that_leaves_runs_above_it_gives_way_to_the_larger_of_two_p
         ["-1*s*b*h*e/st - 4*s*b*e + 3*h*v*e/t", "s*b*h*e/st + h*v*e/t"]
     for run in runs:
         assert larger.predict(run.point) == run.samples[label].values[q], run.path
+
+
+def test_a_leaf_too_small_for_its_formula_takes_the_one_its_siblings_share_across_a_switch():
+    """The tied word embedding's fp32 backward under TP is the output gradient at full sequence and the weight's
+    gradient, with or without SP. Split by SP (which changes other parts of the label), the four runs without SP
+    cannot determine that formula of three terms; pooled across SP, one exact formula reproduces every run, and the
+    part takes it. The part with SP, determined on its own, keeps its own fit."""
+    from fit.segment_fit import SLACK_BYTES, _parts, _pooled, _split_fit
+    label, q = "embedding.word_embeddings", "bwd_peak"
+    runs = [r for r in _packed_runs("gpt_tp2", "gpt_tp2_g4", "gpt_tp2sp", "gpt_moe_tp2sp") if r.point["b"] > 1]
+    cache: dict = {}
+    leaves = [({"sp": part[0]}, rs, _split_fit(label, q, rs, cache)) for part, rs in _parts(runs, ("sp",)).items()]
+    alone = {c["sp"]: v for c, _, v in leaves}
+    assert isinstance(alone[False], str) and str(alone[True]) == "s*b*h*e + (-1/4)*s*b*e + h*v*e/t"
+    pooled = {c["sp"]: v for c, _, v in _pooled(label, q, leaves, cache)}
+    assert pooled[True] is alone[True]
+    fit = pooled[False]
+    assert str(fit) == "s*b*h*e + (-1/4)*s*b*e + h*v*e/t" and any(n.startswith("pooled over sp") for n in fit.notes)
+    for run in runs:
+        assert abs(float(fit.predict(run.point)) - run.samples[label].values[q]) <= SLACK_BYTES, run.path
+
+
+def test_a_transient_leaf_no_pool_fits_exactly_takes_a_bound_that_errs_high():
+    """The untied word embedding's fp32 backward under SP at b = 1 holds a hidden state less with learned positions
+    than with rope; the two runs with learned positions cannot determine it alone. No pool has one exact formula,
+    so the leaf takes the pool's bound: never under a run, and over by at most PEAK_BOUND of each run's peak."""
+    from fit.segment_fit import PEAK_BOUND, _parts, _pooled, _split_fit
+    label, q = "embedding.word_embeddings", "bwd_peak"
+    runs = [r for r in _packed_runs("llama_tp2sp", "llama_tp2sp_g4", "llama_tp2sp_ln", "llama_moe_tp2sp",
+                                    "llama_tp2sp_learned", "gpt_tp2sp_untied") if r.point["b"] == 1]
+    keys = ("position",)
+    cache: dict = {}
+    leaves = [(dict(zip(keys, part)), rs, _split_fit(label, q, rs, cache)) for part, rs in _parts(runs, keys).items()]
+    learned = next((rs, v) for c, rs, v in leaves if c["position"] == "learned_absolute")
+    assert isinstance(learned[1], str) and len(learned[0]) == 2
+    fit = next(v for c, _, v in _pooled(label, q, leaves, cache) if c["position"] == "learned_absolute")
+    assert not isinstance(fit, str)
+    for run in runs:
+        over = float(fit.predict(run.point)) - run.samples[label].values[q]
+        assert -64 <= over <= PEAK_BOUND * max(run.peaks), run.path
+    assert any(float(fit.predict(r.point)) > r.samples[label].values[q] + 64 for r in learned[0])

@@ -333,6 +333,22 @@ def bf16_configs() -> list:
 # micro-batches of one sequence and of two, are on the first.
 # The linear layers' bf16 backward likewise: the short shapes put its weight gradient's pattern above its
 # activation gradients'.
+# One sequence per micro-batch under TP 2 with vocabularies that are not 4 * s: every TP run above at b = 1 has
+# v = 4 * s once the vocabulary is padded to 128 (s 96 v 384, s 128 v 512), so a formula in s*b*h and v*h could
+# not be told apart there (the word embedding's backward: its weight's gradient beside the gathered output
+# gradient); each position type, tie and TP with and without SP.
+B1_VOCAB_SHAPES = ((112, 1, 64, 4, None, None, 640), (64, 1, 128, 8, None, None, 384))
+LAYOUTS += [(name + "_b1v", base, add, B1_VOCAB_SHAPES) for name, base, add in (
+    ("gpt_tp2", GPT, TOGGLE["tp2"][0]),
+    ("gpt_tp2_rope", GPT, {**TOGGLE["tp2"][0], **TOGGLE["rope"][0]}),
+    ("llama_tp2", LLAMA, TOGGLE["tp2"][0]),
+    ("llama_tp2_learned", LLAMA, {**TOGGLE["tp2"][0], "--position-embedding-type": "learned_absolute"}),
+    ("gpt_tp2sp", GPT, TOGGLE["tp2sp"][0]),
+    ("gpt_tp2sp_rope", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rope"][0]}),
+    ("gpt_tp2sp_untied", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["untied"][0]}),
+    ("llama_tp2sp", LLAMA, TOGGLE["tp2sp"][0]),
+    ("llama_tp2sp_learned", LLAMA, {**TOGGLE["tp2sp"][0], "--position-embedding-type": "learned_absolute"}))]
+
 BF16_LONG = [("llama_bf16_long", LLAMA, TOGGLE["bf16"][0]),
              ("llama_bf16_tp2sp_long", LLAMA, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}),
              ("gpt_bf16_long", GPT, TOGGLE["bf16"][0]),
