@@ -482,6 +482,12 @@ def _known_terms(leaves: list) -> set:
             for alt in (v.alternatives if isinstance(v, MaxFit) else (v,)) for _, m in alt.terms}
 
 
+def _fit_on_terms(label: str, q: str, runs: list, terms: set):
+    """The exact fit (or the reason) of one quantity over runs on only those of the label's candidates in `terms`."""
+    pts, ys, fixed, ties = _problem(label, q, runs)
+    return _fit(list(zip(pts, ys)), [m for m in candidates(label) if m in terms], fixed, ties)
+
+
 def _pooled(label: str, q: str, leaves: list, cache: dict) -> list:
     """Leaves left without a formula, each given the exact formula of its runs pooled with those of the leaves that
     differ from it in one switch of its condition (else in two), where one formula reproduces every pooled run: the
@@ -514,8 +520,7 @@ def _pooled(label: str, q: str, leaves: list, cache: dict) -> list:
                 fit = _pool_bound(label, q, pool, cache) if bounded else _fit_part(label, q, pool, cache)
                 if not bounded and not isinstance(fit, str) and len(pool) < SMALL_PART and \
                         any(m not in known for _, m in fit.terms):
-                    pts, ys, fixed, ties = _problem(label, q, pool)
-                    fit = _fit(list(zip(pts, ys)), [m for m in candidates(label) if m in known], fixed, ties)
+                    fit = _fit_on_terms(label, q, pool, known)
                 if not isinstance(fit, str) and _dyadic(fit):
                     got = copy.copy(fit)    # (a cached fit is shared)
                     got.notes = fit.notes + [f"pooled over {', '.join(drop)} with {len(pool) - len(rs)} more runs"]
@@ -561,8 +566,7 @@ def _guard_small(label: str, q: str, leaves: list) -> list:
                 (not isinstance(v, str) and all(m in known for _, m in v.terms)):
             out.append((cond, rs, v))
             continue
-        pts, ys, fixed, ties = _problem(label, q, rs)
-        refit = _fit(list(zip(pts, ys)), [m for m in candidates(label) if m in known], fixed, ties)
+        refit = _fit_on_terms(label, q, rs, known)
         if isinstance(refit, str) and not isinstance(v, str):
             refit = f"{v} fits its {len(rs)} runs with terms no larger part has (a coincidence, likely)"
         out.append((cond, rs, v if isinstance(refit, str) and isinstance(v, str) else refit))

@@ -326,6 +326,19 @@ def bf16_configs() -> list:
     return combinations(BF16_PAIRS, 2, 0)[0]
 
 
+# One sequence per micro-batch under TP 2 with vocabularies that are not 4 * s: every TP run above at b = 1 has
+# v = 4 * s once the vocabulary is padded to 128 (s 96 v 384, s 128 v 512), so a formula in s*b*h and v*h could
+# not be told apart there (the word embedding's backward: its weight's gradient beside the gathered output
+# gradient); each position type, tie and TP with and without SP, on the layouts above and the bases' TP toggles.
+B1_VOCAB_SHAPES = ((112, 1, 64, 4, None, None, 640), (64, 1, 128, 8, None, None, 384))
+_FLAGS = {name: (base, add) for name, base, add, _ in LAYOUTS}
+_FLAGS.update({f"{b}_{t}": (base, TOGGLE[t][0]) for b, base in (("gpt", GPT), ("llama", LLAMA))
+               for t in ("tp2", "tp2sp")})
+LAYOUTS += [(name + "_b1v", *_FLAGS[name], B1_VOCAB_SHAPES)
+            for name in ("gpt_tp2", "gpt_tp2_rope", "llama_tp2", "llama_tp2_learned", "gpt_tp2sp", "gpt_tp2sp_rope",
+                         "gpt_tp2sp_untied", "llama_tp2sp", "llama_tp2sp_learned")]
+
+
 # The untied output layer's backward in bf16 peaks at the larger of two patterns: the gathered input, the input
 # gradient and the weight gradient (s*b*h*e/st + 2*s*b*h*e [SP] + v*h*e/t), or, once the logits' gradient is freed,
 # the weight gradient with its fp32 copy for the main gradient (3*v*h*e/t - s*b*v*e/t). The short bf16 shapes above
@@ -333,22 +346,6 @@ def bf16_configs() -> list:
 # micro-batches of one sequence and of two, are on the first.
 # The linear layers' bf16 backward likewise: the short shapes put its weight gradient's pattern above its
 # activation gradients'.
-# One sequence per micro-batch under TP 2 with vocabularies that are not 4 * s: every TP run above at b = 1 has
-# v = 4 * s once the vocabulary is padded to 128 (s 96 v 384, s 128 v 512), so a formula in s*b*h and v*h could
-# not be told apart there (the word embedding's backward: its weight's gradient beside the gathered output
-# gradient); each position type, tie and TP with and without SP.
-B1_VOCAB_SHAPES = ((112, 1, 64, 4, None, None, 640), (64, 1, 128, 8, None, None, 384))
-LAYOUTS += [(name + "_b1v", base, add, B1_VOCAB_SHAPES) for name, base, add in (
-    ("gpt_tp2", GPT, TOGGLE["tp2"][0]),
-    ("gpt_tp2_rope", GPT, {**TOGGLE["tp2"][0], **TOGGLE["rope"][0]}),
-    ("llama_tp2", LLAMA, TOGGLE["tp2"][0]),
-    ("llama_tp2_learned", LLAMA, {**TOGGLE["tp2"][0], "--position-embedding-type": "learned_absolute"}),
-    ("gpt_tp2sp", GPT, TOGGLE["tp2sp"][0]),
-    ("gpt_tp2sp_rope", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["rope"][0]}),
-    ("gpt_tp2sp_untied", GPT, {**TOGGLE["tp2sp"][0], **TOGGLE["untied"][0]}),
-    ("llama_tp2sp", LLAMA, TOGGLE["tp2sp"][0]),
-    ("llama_tp2sp_learned", LLAMA, {**TOGGLE["tp2sp"][0], "--position-embedding-type": "learned_absolute"}))]
-
 BF16_LONG = [("llama_bf16_long", LLAMA, TOGGLE["bf16"][0]),
              ("llama_bf16_tp2sp_long", LLAMA, {**TOGGLE["tp2sp"][0], **TOGGLE["bf16"][0]}),
              ("gpt_bf16_long", GPT, TOGGLE["bf16"][0]),
