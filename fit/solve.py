@@ -378,7 +378,8 @@ def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset
         wins = [sum(all(val(a, p) >= val(o, p) for o in alts) for p in probes) for a in alts]
         best = alts[wins.index(max(wins))]
         fit = _finish(pb, best, exact=True)
-        fixed = ", ".join(f"{v} = {pb.points[0][v]}" for v in _PARALLEL if _constant(pb.points, v))
+        pins, tied = _traced_parallel(pb.points)
+        fixed = ", ".join([f"{v} = {x}" for v, x in pins.items()] + (["st = t"] if tied else []))
         fit.notes.append(f"{len(alts)} exact fits differ only at parallel sizes never traced ({fixed} on every run): "
                          "the largest there taken")
         return fit
@@ -394,9 +395,21 @@ def _constant(points: list[Point], v: str) -> bool:
 
 
 def _at_traced_parallel_sizes(points: list[Point], probes: list[dict]) -> list[dict]:
-    """The probes with every parallel size the runs never varied set to its traced value."""
+    """The probes with every parallel size the runs never varied set to its traced value, and st = t where every
+    run had sequence parallelism with its TP (TP without it never traced)."""
+    pins, tied = _traced_parallel(points)
+    if not pins and not tied:
+        return []
+    out = [{**p, **pins} for p in probes]
+    return [{**p, "st": p["t"]} for p in out] if tied else out
+
+
+def _traced_parallel(points: list[Point]) -> tuple[dict, bool]:
+    """({parallel size: its value} for those constant over the points, whether st = t on every point with st
+    varying)."""
     pins = {v: points[0][v] for v in _PARALLEL if _constant(points, v)}
-    return [{**p, **pins} for p in probes] if pins else []
+    tied = "st" not in pins and "st" in points[0] and "t" in points[0] and all(p["st"] == p["t"] for p in points)
+    return pins, tied
 
 
 def _finish(pb: _Problem, terms: Terms, exact: bool) -> Fit:

@@ -452,6 +452,30 @@ def test_peak_reduction_takes_the_level_most_rows_show():
     assert dataset.reduce_values([3, 1, 2, 2], peak=False) == 2          # saved bytes: the low median
 
 
+def test_fits_differing_only_at_tp_without_sequence_parallelism_take_the_largest_there():
+    """A part whose TP runs all have sequence parallelism (the bf16 runs of linear_fc1's backward) cannot tell
+    `s*b*h*e/st` from `s*b*h*e/t`: st = t on every run, TP 2 or not. Both fit every run; they differ only at TP
+    without SP, which the part never traced, so the composed fit takes the larger there instead of refusing."""
+    rows = [(64, 2, 64, 4, 16, 1, 2), (32, 3, 128, 4, 32, 2, 2), (80, 2, 96, 4, 24, 2, 2), (128, 1, 64, 8, 8, 1, 2),
+            (48, 3, 128, 8, 16, 2, 2), (96, 2, 64, 4, 16, 1, 2)]
+    pts = [{**p, "st": p["t"]} for p in _pts(rows)]
+    ys = [int(-3 * p["s"] * p["b"] * p["h"] * p["e"] / p["st"] + 4 * p["s"] * p["b"] * p["h"] * p["e"]) for p in pts]
+    cands = [mono("s*b*h*e/st"), mono("s*b*h*e/t"), mono("s*b*h*e")]
+    with pytest.raises(solve.FitRefused, match="ambiguous"):
+        solve.fit_group(pts, ys, cands)
+    fit = solve.fit_group(pts, ys, cands, largest_untraced=True)
+    assert fit.exact and all(fit.predict(p) == y for p, y in zip(pts, ys))
+    no_sp = {**pts[1], "st": F(1)}
+    sbhe = no_sp["s"] * no_sp["b"] * no_sp["h"] * no_sp["e"]
+    assert fit.predict(no_sp) == max(sbhe, -3 * sbhe / 2 + 4 * sbhe)   # -3/t kept: 2.5 hidden states, not 1
+    assert "st = t" in fit.notes[0]
+    # Where some TP run had no sequence parallelism, the two differ at a traced point and only one fits.
+    mixed = pts[:-1] + [no_sp]
+    ys = [int(-3 * p["s"] * p["b"] * p["h"] * p["e"] / p["st"] + 4 * p["s"] * p["b"] * p["h"] * p["e"]) for p in mixed]
+    fit = solve.fit_group(mixed, ys, cands, largest_untraced=True)
+    assert sorted(m for _, m in fit.terms) == sorted([mono("s*b*h*e"), mono("s*b*h*e/st")]) and not fit.notes
+
+
 def test_input_batch_atoms_prefer_fixed_dtypes():
     cands = basis.candidates("data.mask")
     assert basis.family("data.tokens") == "data"
