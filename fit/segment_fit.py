@@ -29,7 +29,7 @@ from . import basis, unfitted
 from .dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .group import SWITCH_ORDER, domain
 from .segment_data import QUANTITIES, run_samples
-from .solve import FitRefused, bound_fit, fit_group
+from .solve import FitRefused, bound_fit, fit_group, near_fit
 from .switch_terms import merge
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
@@ -176,7 +176,8 @@ SLACK_BYTES = 64   # a few scalars (a 4-byte tensor freed by the garbage collect
 
 def _fit(data: list, cands: list, fixed, ties):
     """The sparsest exact fit; failing that, one whose every residual is within SLACK_BYTES (a run whose level
-    a stray scalar moved); else the refusal's reason. Exact fits that differ only at a parallel size no run had
+    a stray scalar moved: solve.near_fit, refused where another such fit predicts otherwise); else the refusal's
+    reason. Exact fits that differ only at a parallel size no run had
     (`s*b*h*e/st` or `2*s*b*h*e` at TP 2) give the largest there: a part left without a formula would be
     predicted from the other parts', which is wrong even at the traced size."""
     pts, ys = [p for p, _ in data], [y for _, y in data]
@@ -185,15 +186,9 @@ def _fit(data: list, cands: list, fixed, ties):
     except FitRefused as exc:
         reason = str(exc)
     try:
-        fit = fit_group(pts, ys, cands, fixed=fixed, ties=ties, max_terms=5, tolerance=1e-3)
-    except FitRefused:
-        return reason
-    fit.terms = [(Fraction(c).limit_denominator(64), m) for c, m in fit.terms]
-    worst = max(abs(float(fit.predict(p)) - y) for p, y in zip(pts, ys))
-    if worst > SLACK_BYTES:
-        return reason
-    fit.notes.append(f"within {worst:.0f} B of every run")
-    return fit
+        return near_fit(pts, ys, cands, slack=SLACK_BYTES, fixed=fixed, ties=ties, max_terms=5)
+    except FitRefused as exc:
+        return str(exc) if str(exc).startswith("ambiguous") else reason
 
 
 def _covered(fits: dict, runs: list, keys: tuple) -> int:
@@ -307,8 +302,7 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
         return reason
     cands = candidates(label)
     for guess in _consensus(pts, ys, cands, fixed, ties, n + 1, MAX_TRIES, MAX_SAMPLE, guess=True):
-        off = [i for i in range(n) if abs(guess[i] - ys[i]) > SLACK_BYTES]
-        if not off or any(guess[i] > ys[i] for i in off):
+        if not (off := _missed_below(guess, ys)):
             continue
         on = [i for i in range(n) if i not in set(off)]
         first = _fit([(pts[i], ys[i]) for i in on], cands, fixed, ties)
@@ -317,9 +311,7 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
         # The guess fits five runs; refitted on every run it agreed with, the first pattern may hold on more runs
         # than the guess did (a guess that agreed with 26 of the 28 runs of the first pattern left 2 of them in
         # the second's part, which then had no formula).
-        fitted = [float(first.predict(p)) for p in pts]
-        off = [i for i in range(n) if abs(fitted[i] - ys[i]) > SLACK_BYTES]
-        if not off or any(fitted[i] > ys[i] for i in off):
+        if not (off := _missed_below([float(first.predict(p)) for p in pts], ys)):
             continue
         minority = len(off) <= MAX_MINORITY * n
         on = [i for i in range(n) if i not in set(off)]
@@ -339,6 +331,13 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
             alt.notes.append(f"the larger of two patterns: {first} on {len(on)} runs, {second} on {len(off)}")
             return alt
     return reason
+
+
+def _missed_below(pred: list, ys: list) -> list:
+    """The runs a first pattern's predictions miss, if it misses some and lies below every one it misses (the
+    larger of two patterns cannot be above a run); else none."""
+    off = [i for i, (p, y) in enumerate(zip(pred, ys)) if abs(p - y) > SLACK_BYTES]
+    return off if all(pred[i] < ys[i] for i in off) else []
 
 
 DEEP_TERMS = 4

@@ -312,6 +312,57 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
     raise FitRefused(_no_fit_message(pts, cands, n, max_terms, pinned))
 
 
+def near_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], *, slack: float,
+             fixed: set = frozenset(), ties: Mapping[str, str] | None = None, max_terms: int = 5,
+             max_den: int = 8) -> Fit:
+    """A fit within `slack` of every point, for data with no exact fit because a stray scalar moved a few levels
+    by a few bytes. The greedy terms' coefficients snap to small rationals, and terms that nowhere contribute
+    more than the slack are dropped: they fit the noise, and grow with the config where the noise does not.
+    Refused as ambiguous when swapping one term for another candidate fits as well but predicts otherwise in the
+    domain; where that happens only at parallel sizes no point has, the largest there is taken (as in _pick).
+    Raises FitRefused."""
+    pts, yv = _dedupe(points, ys)
+    n = len(pts)
+    if n < 3:
+        raise FitRefused(f"underdetermined: {n} config(s) cannot determine a nonzero formula")
+    pb = _Problem(pts, yv, cands)
+    cols = _greedy(pb, min(max_terms, n - 2))
+    best = _settled(pb, cols, slack, max_den)
+    if best is None:
+        raise FitRefused(f"no fit within {slack:.0f} B of every config")
+    found = {best[0]: best[1]}
+    for i, j in itertools.product(range(len(best[0])), range(len(cands))):
+        if j not in best[0] and (alt := _settled(pb, tuple(sorted(best[0][:i] + (j,) + best[0][i + 1:])),
+                                                 slack, max_den)) is not None:
+            found.setdefault(alt[0], alt[1])
+    try:
+        fit = _pick(pb, list(found.items()), _probe_points(pts, set(fixed), dict(ties or {})),
+                    set(fixed) | set(ties or {}), largest_untraced=True)
+    except FitRefused as exc:
+        raise FitRefused(str(exc).replace("exactly", f"within {slack:.0f} B")) from None
+    fit.exact = False
+    fit.notes.append(f"within {fit.max_abs_residual:.0f} B of every run")
+    return fit
+
+
+def _settled(pb: _Problem, cols: tuple, slack: float, max_den: int) -> tuple[tuple, list[Fraction]] | None:
+    """(columns, coefficients) of the least-squares fit on `cols` with its coefficients snapped to denominators of
+    at most `max_den` and the terms that contribute at most `slack` anywhere dropped (then refitted), if every
+    residual is within `slack`; else None."""
+    while cols:
+        if np.linalg.matrix_rank(pb.Xn[:, cols]) < len(cols):
+            return None
+        coefs = [c.limit_denominator(max_den) for c in pb.float_fit(cols)]
+        noise = [j for c, j in zip(coefs, cols) if max(abs(c * row[j]) for row in pb.exact) <= slack]
+        if noise:
+            cols = tuple(j for j in cols if j not in noise)
+            continue
+        worst = max(abs(sum((c * row[j] for c, j in zip(coefs, cols)), Fraction(0)) - y)
+                    for row, y in zip(pb.exact, pb.ys))
+        return (cols, coefs) if worst <= slack else None
+    return None
+
+
 def _scales_of(points: Sequence[Point], scales: Sequence[float], kept: list[Point]) -> np.ndarray:
     """Per deduplicated point, the largest scale given for that config."""
     by: dict = {}
