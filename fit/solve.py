@@ -289,10 +289,7 @@ def fit_group(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
             coefs = pb.rational(cols, max_den) if cols else None
         if coefs is not None:
             alts = [(cols, coefs)]
-            for i, j in itertools.product(range(len(cols)), range(len(cands))):
-                if j in cols:
-                    continue
-                alt = tuple(sorted(cols[:i] + (j,) + cols[i + 1:]))
+            for alt in _swaps(cols, len(cands)):
                 if pb.screen(alt) <= screen_tol and (c2 := pb.rational(alt, max_den)) is not None:
                     alts.append((alt, c2))
             return _pick(pb, alts, probes, pinned, largest_untraced, guess)
@@ -331,9 +328,8 @@ def near_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], 
     if best is None:
         raise FitRefused(f"no fit within {slack:.0f} B of every config")
     found = {best[0]: best[1]}
-    for i, j in itertools.product(range(len(best[0])), range(len(cands))):
-        if j not in best[0] and (alt := _settled(pb, tuple(sorted(best[0][:i] + (j,) + best[0][i + 1:])),
-                                                 slack, max_den)) is not None:
+    for swapped in _swaps(best[0], len(cands)):
+        if (alt := _settled(pb, swapped, slack, max_den)) is not None:
             found.setdefault(alt[0], alt[1])
     try:
         fit = _pick(pb, list(found.items()), _probe_points(pts, set(fixed), dict(ties or {})),
@@ -343,6 +339,13 @@ def near_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], 
     fit.exact = False
     fit.notes.append(f"within {fit.max_abs_residual:.0f} B of every run")
     return fit
+
+
+def _swaps(cols: tuple, k: int):
+    """Every column set with one of `cols` swapped for another of the k candidates (an equally good rival)."""
+    for i, j in itertools.product(range(len(cols)), range(k)):
+        if j not in cols:
+            yield tuple(sorted(cols[:i] + (j,) + cols[i + 1:]))
 
 
 def _settled(pb: _Problem, cols: tuple, slack: float, max_den: int) -> tuple[tuple, list[Fraction]] | None:
