@@ -29,7 +29,7 @@ from . import basis, unfitted
 from .dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .group import SWITCH_ORDER, domain
 from .segment_data import QUANTITIES, run_samples
-from .solve import FitRefused, bound_fit, fit_group, near_fit
+from .solve import Ambiguous, FitRefused, bound_fit, fit_group, near_fit
 from .switch_terms import merge
 
 # The op fitter's switch order, and the switches only composed sets split on (FORMATS 4.1).
@@ -187,8 +187,10 @@ def _fit(data: list, cands: list, fixed, ties):
         reason = str(exc)
     try:
         return near_fit(pts, ys, cands, slack=SLACK_BYTES, fixed=fixed, ties=ties, max_terms=5)
-    except FitRefused as exc:
-        return str(exc) if str(exc).startswith("ambiguous") else reason
+    except Ambiguous as exc:
+        return str(exc)
+    except FitRefused:
+        return reason
 
 
 def _covered(fits: dict, runs: list, keys: tuple) -> int:
@@ -301,10 +303,16 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
     if n < 8:
         return reason
     cands = candidates(label)
+    # Most guesses split the runs alike: what follows from a split is worked out once (the upper bound's linear
+    # programs were nearly all of a refit's time).
+    tried, seconds = set(), {}
     for guess in _consensus(pts, ys, cands, fixed, ties, n + 1, MAX_TRIES, MAX_SAMPLE, guess=True):
         if not (off := _missed_below(guess, ys)):
             continue
-        on = [i for i in range(n) if i not in set(off)]
+        on = tuple(i for i in range(n) if i not in set(off))
+        if on in tried:
+            continue
+        tried.add(on)
         first = _fit([(pts[i], ys[i]) for i in on], cands, fixed, ties)
         if isinstance(first, str):
             continue
@@ -313,17 +321,11 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
         # the second's part, which then had no formula).
         if not (off := _missed_below([float(first.predict(p)) for p in pts], ys)):
             continue
-        minority = len(off) <= MAX_MINORITY * n
         on = [i for i in range(n) if i not in set(off)]
-        second = _fit([(pts[i], ys[i]) for i in off], cands, fixed, ties)
-        if isinstance(second, str):   # the other pattern varies more than one formula says: its upper bound
-            if not minority:          # (over a few runs only: over most, the bound would be the formula)
-                continue
-            try:
-                second = bound_fit([pts[i] for i in off], [ys[i] for i in off], cands, PEAK_BOUND,
-                                   [peaks[i] for i in off], max_terms=4, fixed=fixed, ties=ties)
-            except FitRefused:
-                continue
+        if tuple(off) not in seconds:
+            seconds[tuple(off)] = _second(off, pts, ys, peaks, cands, fixed, ties, len(off) <= MAX_MINORITY * n)
+        if (second := seconds[tuple(off)]) is None:
+            continue
         alt = MaxFit([first, second], [])
         over = [alt.predict(pts[i]) - ys[i] for i in range(n)]
         if all(d >= -SLACK_BYTES for d in over) and all(over[i] <= SLACK_BYTES for i in on) and \
@@ -331,6 +333,21 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
             alt.notes.append(f"the larger of two patterns: {first} on {len(on)} runs, {second} on {len(off)}")
             return alt
     return reason
+
+
+def _second(off: list, pts, ys, peaks, cands, fixed, ties, minority: bool):
+    """The second pattern of _max_fit, on the runs the first misses: exact, else (over a minority of the runs only:
+    over most, the bound would be the formula) their upper bound; else None."""
+    second = _fit([(pts[i], ys[i]) for i in off], cands, fixed, ties)
+    if not isinstance(second, str):
+        return second
+    if not minority:
+        return None
+    try:
+        return bound_fit([pts[i] for i in off], [ys[i] for i in off], cands, PEAK_BOUND, [peaks[i] for i in off],
+                         max_terms=4, fixed=fixed, ties=ties)
+    except FitRefused:
+        return None
 
 
 def _missed_below(pred: list, ys: list) -> list:

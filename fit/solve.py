@@ -27,6 +27,10 @@ class FitRefused(Exception):
     """The data cannot determine a formula; the message says why and which configs would."""
 
 
+class Ambiguous(FitRefused):
+    """Two fits match every config equally well but predict otherwise in the domain."""
+
+
 @dataclass
 class Fit:
     terms: Terms                         # [(coef, monomial)], basis order
@@ -331,11 +335,8 @@ def near_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial], 
     for swapped in _swaps(best[0], len(cands)):
         if (alt := _settled(pb, swapped, slack, max_den)) is not None:
             found.setdefault(alt[0], alt[1])
-    try:
-        fit = _pick(pb, list(found.items()), _probe_points(pts, set(fixed), dict(ties or {})),
-                    set(fixed) | set(ties or {}), largest_untraced=True)
-    except FitRefused as exc:
-        raise FitRefused(str(exc).replace("exactly", f"within {slack:.0f} B")) from None
+    fit = _pick(pb, list(found.items()), _probe_points(pts, set(fixed), dict(ties or {})),
+                set(fixed) | set(ties or {}), largest_untraced=True, within=slack)
     fit.exact = False
     fit.notes.append(f"within {fit.max_abs_residual:.0f} B of every run")
     return fit
@@ -403,9 +404,11 @@ def bound_fit(points: Sequence[Point], ys: Sequence[int], cands: list[Monomial],
 
 
 def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset(),
-          largest_untraced: bool = False, guess: bool = False) -> Fit:
-    """Among equally sparse exact fits, the first in basis order, unless another differs in the domain; with
-    `largest_untraced`, one that differs only at parallel sizes no point has leaves the largest there."""
+          largest_untraced: bool = False, guess: bool = False, within: float | None = None) -> Fit:
+    """Among equally sparse exact fits (with `within`, fits within that many bytes), the first in basis order,
+    unless another differs in the domain; with `largest_untraced`, one that differs only at parallel sizes no
+    point has leaves the largest there."""
+    how = "exactly" if within is None else f"within {within:.0f} B"
     found.sort(key=lambda fc: fc[0])
     cols, coefs = found[0]
     best = [(c, pb.cands[j]) for c, j in zip(coefs, cols)]
@@ -421,8 +424,8 @@ def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset
         if _same_in_domain(best, other, probes):
             continue
         if not traced or not _same_in_domain(best, other, traced):
-            raise FitRefused(f"ambiguous: {format_terms(best)}  and  {format_terms(other)} both fit all {n} "
-                             f"configs exactly; {_vary_hint(pb.points, best, other, pinned)}")
+            raise Ambiguous(f"ambiguous: {format_terms(best)}  and  {format_terms(other)} both fit all {n} "
+                            f"configs {how}; {_vary_hint(pb.points, best, other, pinned)}")
         rivals.append(other)
     if rivals:
         # The fits differ only at parallel sizes no run had (a CPU campaign runs TP 2 at most): every one is exact
@@ -434,7 +437,8 @@ def _pick(pb: _Problem, found: list, probes: list[dict], pinned: set = frozenset
         fit = _finish(pb, best, exact=True)
         pins, tied = _traced_parallel(pb.points)
         fixed = ", ".join([f"{v} = {x}" for v, x in pins.items()] + (["st = t"] if tied else []))
-        fit.notes.append(f"{len(alts)} exact fits differ only at parallel sizes never traced ({fixed} on every run): "
+        kind = "exact fits" if within is None else f"fits within {within:.0f} B"
+        fit.notes.append(f"{len(alts)} {kind} differ only at parallel sizes never traced ({fixed} on every run): "
                          "the largest there taken")
         return fit
     return _finish(pb, best, exact=True)

@@ -524,5 +524,5 @@ def test_a_fit_within_a_few_bytes_keeps_its_terms_and_drops_the_ones_that_fit_th
     fit = solve.near_fit(pts, ys, cands, slack=64, fixed={"e"})
     assert {m: c for c, m in fit.terms} == {m: c for c, m in true} and not fit.exact
     assert 0 < fit.max_abs_residual <= 16 and "within 16 B" in fit.notes[-1]
-    with pytest.raises(solve.FitRefused, match="ambiguous.*within 64 B"):
+    with pytest.raises(solve.Ambiguous, match="ambiguous.*within 64 B"):
         solve.near_fit(pts, ys, cands + [mono("s*b*h*k*e")], slack=64, fixed={"e"})
