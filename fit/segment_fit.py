@@ -216,8 +216,12 @@ def _robust(label: str, data: list, cands: list, fixed, ties, reason: str):
     budget = int(len(data) * OUTLIER_SHARE)
     if len(data) - budget < 5:
         return reason
+    tried = set()   # guesses that keep the same runs end alike: each such set is fitted once
     for guess in _consensus([p for p, _, _ in data], [y for _, y, _ in data], cands, fixed, ties, len(data)):
-        agrees = [abs(g - y) <= SLACK_BYTES for g, (_, y, _) in zip(guess, data)]
+        agrees = tuple(abs(g - y) <= SLACK_BYTES for g, (_, y, _) in zip(guess, data))
+        if agrees in tried:
+            continue
+        tried.add(agrees)
         kept = [d for d, ok in zip(data, agrees) if ok]
         dropped = [d[2] for d, ok in zip(data, agrees) if not ok]
         if len(dropped) > budget:

@@ -282,11 +282,12 @@ def test_a_transient_of_two_patterns_is_fitted_as_their_maximum_and_extrapolates
     small = [r for r in runs if r.point["s"] <= 96]
     large = [r for r in runs if r.point["s"] > 96]
     assert large and any(r.point["s"] == 32 for r in small)
-    keys, fits, _ = split_quantity(label, "bwd_peak", small, {})
+    cache: dict = {}   # the label's fit below reuses this quantity's
+    keys, fits, _ = split_quantity(label, "bwd_peak", small, cache)
     assert keys == () and isinstance(fits[()], MaxFit)
     first = fits[()].alternatives[0]
     assert first.terms == [(Fr(3), parse_monomial("s*s*b*a*e/t"))]
-    fset = _set_of([e for e in fit_label(label, small, {}) if not e["when"]])
+    fset = _set_of([e for e in fit_label(label, small, cache) if not e["when"]])
     assert any(isinstance(t, F.MaxTerm) for sf in fset.segments for t in (sf.quantities[3] or ()))
     for run in large:
         assert _predict(fset, label, run)[3] == run.samples[label].values["bwd_peak"], run.path
