@@ -323,12 +323,12 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
         # The guess fits five runs; refitted on every run it agreed with, the first pattern may hold on more runs
         # than the guess did (a guess that agreed with 26 of the 28 runs of the first pattern left 2 of them in
         # the second's part, which then had no formula).
-        if not (off := _missed_below([float(first.predict(p)) for p in pts], ys)):
+        if not (off := tuple(_missed_below([float(first.predict(p)) for p in pts], ys))):
             continue
         on = [i for i in range(n) if i not in set(off)]
-        if tuple(off) not in seconds:
-            seconds[tuple(off)] = _second(off, pts, ys, peaks, cands, fixed, ties, len(off) <= MAX_MINORITY * n)
-        if (second := seconds[tuple(off)]) is None:
+        if off not in seconds:
+            seconds[off] = _second(off, pts, ys, peaks, cands, fixed, ties, len(off) <= MAX_MINORITY * n)
+        if (second := seconds[off]) is None:
             continue
         alt = MaxFit([first, second], [])
         over = [alt.predict(pts[i]) - ys[i] for i in range(n)]
@@ -339,7 +339,7 @@ def _max_fit(label: str, q: str, runs: list, reason: str):
     return reason
 
 
-def _second(off: list, pts, ys, peaks, cands, fixed, ties, minority: bool):
+def _second(off: tuple, pts, ys, peaks, cands, fixed, ties, minority: bool):
     """The second pattern of _max_fit, on the runs the first misses: exact, else (over a minority of the runs only:
     over most, the bound would be the formula) their upper bound; else None."""
     second = _fit([(pts[i], ys[i]) for i in off], cands, fixed, ties)
