@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test bench fuzz accuracy reserved gpu-validation recompute-twins set-consistency clean
+.PHONY: example test refit bench fuzz accuracy reserved gpu-validation recompute-twins set-consistency clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: $(VENV)/.test-ready
 	$(PY) benchmarks/tracer_speed.py
 	$(PY) benchmarks/parse_speed.py
 	$(PY) benchmarks/search_speed.py
+
+# Refit every shipped program set from its committed traces; fails if a result differs from the shipped file.
+refit: $(VENV)/.test-ready
+	$(PY) -m fit.programs --check fit/sets/programs/cpu_compose.json
 
 # Seeded fuzzing of every input (command lines, formula sets, HF configs, traces): 2,000 cases per kind, 200 traces.
 fuzz: $(VENV)/.test-ready

@@ -1,0 +1,298 @@
+"""Program sets: per segment label and phase, the allocation program of each cell (docs/FORMATS.md section 7).
+
+A program is the ordered allocations and frees of one op's own code in one phase, each allocation's size a small
+sum of monomials in the sharded shapes (`e*s*b*h/st`), each free naming the allocation it releases. Replaying a
+program at a config's sizes gives the segment's delta and peak: nothing aggregate is stored, so a peak (a maximum
+over moments) is never fitted. This module reads, checks and evaluates such a set; it imports no torch.
+
+Events, one string each:
+  `+ SIZE`             an allocation
+  `- SIZE REF`         a free of an allocation made elsewhere (REF: `fwd:<label>#j`, `fwd:<label>[-1]#j` for the
+                       layer before, `outside` for one made outside every segment)
+  `- #j`               a free of this program's j-th allocation
+  `+~ SIZE ~k`, `-~ ~k` another thread's allocation and free (gloo's worker on CPU), placed at the widest window
+                       the traces showed: a bound that errs high
+SIZE is `e*s*b*h/st`, `2*e*h*f/t+e*h`, `3/2*s*b`, or `0`; the variables are those of estimator.formulas.VARIABLES.
+
+The set carries a checksum of its content (sha256 of the canonical JSON without it), checked on load: a changed
+coefficient is an error, not a wrong answer.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .formulas import VARIABLES
+
+FORMAT = "megatron-memtrace-programs"
+VERSION = 1
+OPS = ("+", "-", "+~", "-~")
+
+
+class ProgramError(ValueError):
+    pass
+
+
+Terms = Tuple[Tuple[Fraction, Tuple[Tuple[str, int], ...]], ...]
+
+
+@dataclass(frozen=True)
+class ProgramEvent:
+    op: str
+    terms: Optional[Terms]     # None: a free of a local allocation (its size)
+    ref: str
+
+
+@dataclass
+class ProgramCell:
+    phase: str
+    label: str
+    when: List[Dict[str, Any]]
+    events: List[ProgramEvent]
+    seen: Dict[str, list] = field(default_factory=dict)
+    runs: int = 0
+
+    def matches(self, sw: Mapping[str, Any]) -> bool:
+        return any(all(sw.get(k) == v for k, v in cell.items()) for cell in self.when)
+
+    def distance(self, sw: Mapping[str, Any]) -> int:
+        """Fewest switch values that differ from one of its cells."""
+        return min(sum(sw.get(k) != v for k, v in cell.items()) for cell in self.when)
+
+    def signed(self, env: Mapping[str, float]) -> List[float]:
+        """The events as signed byte counts at a config's variables."""
+        allocs: List[float] = []
+        workers: Dict[str, float] = {}
+        out = []
+        for ev in self.events:
+            if ev.terms is None:
+                out.append(-(allocs[int(ev.ref[1:])] if ev.op == "-" else workers[ev.ref]))
+                continue
+            size = value(ev.terms, env)
+            if ev.op == "+":
+                allocs.append(size)
+                out.append(size)
+            elif ev.op == "+~":
+                workers[ev.ref] = size
+                out.append(size)
+            else:
+                out.append(-size)
+        return out
+
+    def delta_peak(self, env: Mapping[str, float]) -> Tuple[float, float]:
+        level = peak = 0.0
+        for x in self.signed(env):
+            level += x
+            peak = max(peak, level)
+        return level, peak
+
+
+@dataclass
+class ProgramSet:
+    name: str
+    kind: str
+    description: str
+    cells: List[ProgramCell]
+    structure: list
+    checksum: str
+    path: Optional[str] = None
+    _by_key: Dict[Tuple[str, str], List[ProgramCell]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for c in self.cells:
+            self._by_key.setdefault((c.phase, c.label), []).append(c)
+
+    def labels(self) -> List[str]:
+        return sorted({label for _, label in self._by_key})
+
+    def select(self, phase: str, label: str, sw: Mapping[str, Any]) -> Tuple[Optional[ProgramCell], bool]:
+        """(the cell answering the label's phase under switches sw, measured). Where no cell matches, the nearest
+        cells (fewest differing switch values) are candidates and the caller takes the largest (extrapolated)."""
+        cells = self._by_key.get((phase, label), [])
+        for c in cells:
+            if c.matches(sw):
+                return c, True
+        return None, False
+
+    def nearest(self, phase: str, label: str, sw: Mapping[str, Any]) -> List[ProgramCell]:
+        cells = self._by_key.get((phase, label), [])
+        if not cells:
+            return []
+        d = [c.distance(sw) for c in cells]
+        return [c for c, x in zip(cells, d) if x == min(d)]
+
+    def values(self, label: str, sw: Mapping[str, Any], env: Mapping[str, float]) -> Tuple[float, float, float, float,
+                                                                                          bool]:
+        """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label: its programs replayed at env."""
+        out: List[float] = []
+        measured = True
+        for phase in ("fwd", "bwd"):
+            if not self._by_key.get((phase, label)):
+                out += [0.0, 0.0]
+                continue
+            cell, ok = self.select(phase, label, sw)
+            if cell is not None:
+                out += list(cell.delta_peak(env))
+                continue
+            measured = False
+            vals = [c.delta_peak(env) for c in self.nearest(phase, label, sw)]
+            out += [max(v[0] for v in vals), max(v[1] for v in vals)]
+        return (*out, measured)
+
+
+# ---------------------------------------------------------------- text <-> terms
+
+def value(terms: Terms, env: Mapping[str, float]) -> float:
+    total = 0.0
+    for c, mono in terms:
+        x = float(c)
+        for var, exp in mono:
+            x *= env[var] ** exp
+        total += x
+    return total
+
+
+def parse_size(text: str, where: str = "") -> Terms:
+    """'e*s*b*h/st+4*b*a*s*s/t' -> terms; '0' -> (). A malformed size or an unknown variable is a ProgramError."""
+    text = text.strip()
+    if text == "0":
+        return ()
+    parts, sign, start = [], 1, 0
+    if text[:1] == "-":
+        sign, start = -1, 1
+    for i in range(start, len(text)):
+        if text[i] in "+-":
+            parts.append((sign, text[start:i]))
+            sign, start = (1 if text[i] == "+" else -1), i + 1
+    parts.append((sign, text[start:]))
+    return tuple(_term(sgn, part, where or text) for sgn, part in parts)
+
+
+def _term(sign: int, part: str, where: str):
+    """'3*e*s*b/2*t': integers before '/' multiply the coefficient, after it divide it; names are variables."""
+    num, _, den = part.partition("/")
+    coef = Fraction(sign)
+    exps: Dict[str, int] = {}
+    for factors, exp in ((num.split("*"), 1), (den.split("*") if den else [], -1)):
+        for f in factors:
+            f = f.strip()
+            if f.isdigit() and int(f) > 0:
+                coef = coef * int(f) if exp > 0 else coef / int(f)
+            elif f in VARIABLES:
+                exps[f] = exps.get(f, 0) + exp
+            else:
+                raise ProgramError(f"{where}: malformed size term {part!r}" if not f or f.isdigit()
+                                   else f"{where}: unknown variable {f!r} in size {part!r}")
+    return coef, tuple(sorted((k, v) for k, v in exps.items() if v))
+
+
+def format_size(terms) -> str:
+    """Terms (coef, monomial) -> 'e*s*b*h/st+4*b*a*s*s/t' (e first, then estimator.formulas.VARIABLES order)."""
+    out = []
+    for c, mono in terms:
+        num = [k for k, v in mono for _ in range(v) if v > 0]
+        den = [k for k, v in mono for _ in range(-v) if v < 0]
+        num.sort(key=lambda k: (k != "e", VARIABLES.index(k)))
+        den.sort(key=VARIABLES.index)
+        c = Fraction(c)
+        head = [str(abs(c.numerator))] if abs(c.numerator) != 1 or not num else []
+        text = "*".join(head + num)
+        dens = ([str(c.denominator)] if c.denominator != 1 else []) + den
+        if dens:
+            text += "/" + "*".join(dens)
+        out.append(("-" if c < 0 else "+") + text)
+    text = "".join(out) or "0"
+    return text[1:] if text.startswith("+") else text
+
+
+def format_event(op: str, terms, ref: str) -> str:
+    """'+ SIZE', '+~ SIZE ~k', '- SIZE REF', '- #j', '-~ ~k' (module docstring)."""
+    if terms is None:
+        return f"{op} {ref}"
+    return f"{op} {format_size(terms)}" + (f" {ref}" if op != "+" and ref else "")
+
+
+def parse_event(text: Any, where: str) -> ProgramEvent:
+    if not isinstance(text, str):
+        raise ProgramError(f"{where}: an event must be a string, not {type(text).__name__}")
+    parts = text.split()
+    if not parts or parts[0] not in OPS or len(parts) > 3:
+        raise ProgramError(f"{where}: malformed event {text!r} (expected '+ SIZE', '- SIZE REF', '- #j', "
+                           f"'+~ SIZE ~k' or '-~ ~k')")
+    op = parts[0]
+    if len(parts) == 2 and (parts[1].startswith("#") or parts[1].startswith("~")):
+        if op not in ("-", "-~"):
+            raise ProgramError(f"{where}: {text!r}: only a free names a local allocation")
+        return ProgramEvent(op, None, parts[1])
+    if len(parts) < 2:
+        raise ProgramError(f"{where}: malformed event {text!r}")
+    ref = parts[2] if len(parts) == 3 else ""
+    return ProgramEvent(op, parse_size(parts[1], f"{where}: {text!r}"), ref)
+
+
+# ---------------------------------------------------------------- files
+
+def content_checksum(doc: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
+    src = path or "<program set>"
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ProgramError(f"{src}: not a program set (format {FORMAT!r})")
+    if doc.get("version") != VERSION:
+        raise ProgramError(f"{src}: program set version {doc.get('version')!r} (this estimator reads {VERSION})")
+    want = doc.get("checksum")
+    if want != content_checksum(doc):
+        raise ProgramError(f"{src}: checksum mismatch: the file was changed after it was written (refit it, or "
+                           f"restore it)")
+    cells = []
+    for i, raw in enumerate(doc.get("programs") or []):
+        where = f"{src}: programs[{i}]"
+        if not isinstance(raw, dict) or raw.get("phase") not in ("fwd", "bwd") or not isinstance(raw.get("label"), str):
+            raise ProgramError(f"{where}: needs 'label' and 'phase' ('fwd' or 'bwd')")
+        when = raw.get("when", [{}])
+        if not isinstance(when, list) or not all(isinstance(w, dict) for w in when) or not when:
+            raise ProgramError(f"{where}: 'when' must be a non-empty list of switch dicts")
+        events = [parse_event(e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
+        _check_refs(events, where)
+        cells.append(ProgramCell(raw["phase"], raw["label"], when, events, raw.get("seen") or {},
+                                 int(raw.get("runs") or 0)))
+    return ProgramSet(str(doc.get("name", "")), str(doc.get("kind", "fitted")), str(doc.get("description", "")),
+                      cells, list(doc.get("structure") or []), want, path)
+
+
+def _check_refs(events: List[ProgramEvent], where: str) -> None:
+    allocs, workers, freed = 0, set(), set()
+    for j, ev in enumerate(events):
+        if ev.op == "+":
+            allocs += 1
+        elif ev.op == "+~":
+            workers.add(ev.ref)
+        elif ev.terms is None:
+            ok = (ev.op == "-" and ev.ref[1:].isdigit() and int(ev.ref[1:]) < allocs) or \
+                 (ev.op == "-~" and ev.ref in workers)
+            if not ok or ev.ref in freed:
+                raise ProgramError(f"{where} event {j}: {ev.op} {ev.ref} frees no allocation made before it")
+            freed.add(ev.ref)
+
+
+def load(path: str) -> ProgramSet:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except ValueError as exc:
+        raise ProgramError(f"{path}: not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ProgramError(f"{path}: cannot read: {exc}") from None
+    return from_dict(doc, path)
+
+
+def to_json(doc: Mapping[str, Any]) -> str:
+    """The file text: one event per line, so that a refit's diff reads line by line."""
+    return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"

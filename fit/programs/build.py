@@ -1,0 +1,184 @@
+"""Traced runs -> a program set file and its provenance, and the checks that the set reproduces every run.
+
+    python -m fit.programs TRACE_DIR... -o SET.json [--name NAME] [--description TEXT]
+    python -m fit.programs --check SET.json     # refit from the provenance's traces; fails if the file differs
+
+The set (estimator/programs.py, docs/FORMATS.md section 7) holds the programs, the op structure and a checksum;
+SET.provenance.json beside it the runs, each cell's runs, the named events (worker windows widened, runs whose
+structure was not reproduced) and the check of every run: each label's delta and peak replayed from the set at the
+run's sizes against the run's own trace, to the byte.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from estimator import programs as P
+
+from ..dataset import DatasetError, expand_dirs, parsed_run, point_of
+from .extract import replay_sizes, run_programs
+from .fit import Run, fit_label
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_runs(paths: list, accept_damaged: bool = False) -> list:
+    """The plain (no recompute) runs among the run directories: recompute is composed from them, never fitted."""
+    from estimator.formulas import switches
+    from tracer.segments import op_children
+    out = []
+    for path in expand_dirs(paths):
+        ranks, hdr, cfg = parsed_run(path, accept_damaged)
+        sw = switches(cfg)
+        if sw["recompute"] != "none":
+            continue
+        point = {k: (int(v) if v.denominator == 1 else float(v)) for k, v in point_of(cfg).items()}
+        out.append(Run(_rel(path), sw, point, run_programs(path, ranks).programs, op_children(ranks[0]),
+                       [int(r.peak_bytes) for r in ranks], str(hdr.get("backend", "cpu")), hdr.get("device")))
+    if not out:
+        raise DatasetError("no plain (non-recompute) runs among the given directories")
+    return out
+
+
+def _rel(path: str) -> str:
+    ap = os.path.abspath(path)
+    return os.path.relpath(ap, ROOT) if ap.startswith(ROOT + os.sep) else path
+
+
+def fit_runs(runs: list) -> list:
+    from . import fit as F
+    F.KNOWN.clear()     # a fit depends on its runs only, not on what this process fitted before
+    cells = []
+    for phase, label in sorted({k for r in runs for k in r.programs}):
+        items = [(r, r.programs[(phase, label)]) for r in runs if (phase, label) in r.programs]
+        cells += fit_label(phase, label, items)
+    return cells
+
+
+def documents(runs: list, cells: list, name: str, description: str) -> tuple:
+    """(set document, provenance document)."""
+    from fit.segment_fit import fit_structure
+    failed = [(c, i, why) for c in cells for i, why in c.failed]
+    if failed:
+        c, i, why = failed[0]
+        raise DatasetError(f"{c.phase} {c.label} event {i}: {why} ({len(failed)} such events)")
+    where = sorted({(r.device or "GPU") if r.backend == "cuda" else "CPU" for r in runs})
+    doc = {
+        "format": P.FORMAT, "version": P.VERSION, "name": name, "kind": "fitted",
+        "description": description or (f"Allocation programs fitted from {len(runs)} traces ({', '.join(where)}); "
+                                       f"recompute is composed from the plain layer, never fitted."),
+        "programs": [{"label": c.label, "phase": c.phase, "when": c.when, "runs": len(c.runs), "seen": c.seen,
+                      "events": [P.format_event(op, terms, ref) for op, terms, ref in c.events]}
+                     for c in cells],
+        "structure": fit_structure(runs),
+    }
+    doc["checksum"] = P.content_checksum(doc)
+    notes = sorted({n for c in cells for n in c.notes})
+    prov = {"set": name, "checksum": doc["checksum"],
+            "traces": [{"path": r.path, "peaks": r.peaks, "backend": r.backend, "device": r.device} for r in runs],
+            "cells": [{"label": c.label, "phase": c.phase, "runs": c.runs} for c in cells],
+            "notes": notes}
+    return doc, prov
+
+
+def check_runs(fset: P.ProgramSet, runs: list) -> dict:
+    """Every run's every (phase, label) replayed from the set at the run's sizes against the trace: `exact` where
+    the set's program reproduces the run's own delta and peak to the byte; `bounded` where the set is higher only
+    because a worker window was widened (errs high, named); `missed` otherwise (a run whose structure the set does
+    not reproduce, named in the provenance notes)."""
+    exact, bounded, missed = 0, [], []
+    for r in runs:
+        for (phase, label), prog in r.programs.items():
+            cell, ok = fset.select(phase, label, r.switches)
+            own = prog.delta_peak()
+            if cell is None:
+                missed.append((r.path, phase, label, own, None))
+                continue
+            got = cell.delta_peak(r.point)
+            got = (round(got[0]), round(got[1]))
+            if got == own:
+                exact += 1
+            elif prog.workers and got[0] == own[0] and got[1] > own[1]:
+                bounded.append((r.path, phase, label, own, got))
+            else:
+                missed.append((r.path, phase, label, own, got))
+    return {"exact": exact, "bounded": bounded, "missed": missed}
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m fit.programs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="*", help="run directories, or directories of them")
+    ap.add_argument("-o", "--output", help="program set to write (SET.provenance.json beside it)")
+    ap.add_argument("--name", default="programs")
+    ap.add_argument("--description", default="")
+    ap.add_argument("--check", metavar="SET", help="refit SET from its provenance's traces; exit 1 if it differs")
+    ap.add_argument("--accept-damaged", action="store_true", help="fit damaged or truncated traces anyway")
+    a = ap.parse_args(argv)
+    try:
+        if a.check:
+            return _check(a.check)
+        if not a.paths or not a.output:
+            ap.error("give run directories and -o SET.json (or --check SET.json)")
+        t0 = time.time()
+        runs = load_runs(a.paths, a.accept_damaged)
+        cells = fit_runs(runs)
+        doc, prov = documents(runs, cells, a.name, a.description)
+        _write(a.output, doc, prov)
+        report = check_runs(P.from_dict(doc, a.output), runs)
+        print(_summary(a.output, runs, cells, prov, report, time.time() - t0))
+        return 1 if unnamed(report, prov) else 0
+    except (DatasetError, P.ProgramError, OSError) as exc:
+        print(f"fit.programs: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _write(path: str, doc: dict, prov: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(P.to_json(doc))
+    with open(provenance_path(path), "w", encoding="utf-8") as fh:
+        fh.write(P.to_json(prov))
+
+
+def provenance_path(path: str) -> str:
+    return path[:-5] + ".provenance.json" if path.endswith(".json") else path + ".provenance.json"
+
+
+def _summary(path, runs, cells, prov, report, seconds) -> str:
+    lines = [f"wrote {path}: {len(cells)} programs over {len({(c.phase, c.label) for c in cells})} labels from "
+             f"{len(runs)} runs in {seconds:.0f} s",
+             f"  replayed against the traces: {report['exact']} label phases exact to the byte, "
+             f"{len(report['bounded'])} bounded by a widened worker window (errs high), {len(report['missed'])} "
+             f"not reproduced"]
+    for path_, phase, label, own, got in report["missed"][:10]:
+        lines.append(f"    not reproduced: {path_} {phase} {label}: trace (delta, peak) {own}, set {got}")
+    if prov["notes"]:
+        lines.append(f"  {len(prov['notes'])} notes in the provenance file")
+    return "\n".join(lines)
+
+
+def _check(path: str) -> int:
+    import json
+    with open(path, encoding="utf-8") as fh:
+        shipped = fh.read()
+    P.from_dict(json.loads(shipped), path)        # the checksum and the format first
+    with open(provenance_path(path), encoding="utf-8") as fh:
+        prov = json.load(fh)
+    doc = json.loads(shipped)
+    runs = load_runs([os.path.join(ROOT, t["path"]) for t in prov["traces"]])
+    cells = fit_runs(runs)
+    new, new_prov = documents(runs, cells, doc["name"], doc["description"])
+    report = check_runs(P.from_dict(new, path), runs)
+    same = P.to_json(new) == shipped
+    lost = unnamed(report, new_prov)
+    print(f"{path}: refit from {len(runs)} traces {'identical' if same else 'DIFFERS'}; "
+          f"{report['exact']} label phases exact, {len(report['bounded'])} bounded by a widened worker window, "
+          f"{len(report['missed'])} not reproduced (runs named in the provenance notes), {len(lost)} not named")
+    return 0 if same and not lost else 1
+
+
+def unnamed(report: dict, prov: dict) -> list:
+    """Label phases the set does not reproduce in runs the provenance notes do not name: a silent miss."""
+    named = {n.split(":")[0] for n in prov["notes"]}
+    return [m for m in report["missed"] if m[0] not in named]

@@ -1,0 +1,213 @@
+"""A traced run -> its allocation programs: per segment label and phase, the ordered allocations and frees.
+
+tracer.segments cuts every microbatch's forward and backward into segments, each one op's own code (FORMATS 3.1).
+Here each segment instance becomes the list of its memory events in record order: an allocation (`+`, its size)
+or a free (`-`, the size it releases and which allocation that was). Pointers pair every free with its allocation
+(tracer.parse.replay), wherever it was made:
+
+  `#j`                    the j-th allocation of this same segment
+  `fwd:<label>#j`         the j-th allocation of segment <label> of the forward of the same microbatch
+  `fwd:<label>[-1]#j`     ... of the layer before (a layer offset where both segments belong to layers)
+  `outside`               an allocation made outside every segment (setup, the optimizer step, a pipeline receive)
+
+Another thread's allocation and free (gloo's worker in a CPU run) land at a moment that varies against the
+compute thread's events, run to run and layer to layer. Such a *worker pair* is kept apart from the compute
+events as (size, after, until): allocated after the first `after` compute events and freed after `until` of them.
+Programs of one structure take the widest window any of their instances had (the earliest `after`, the latest
+`until`), so the worker's buffer is counted over every moment it was seen live: a bound that errs high, named in
+the set (`+~` / `-~` events).
+
+A label repeats over layers, microbatches, iterations and ranks; identical layers allocate identically, so one
+*representative* instance speaks for the run: the most common event list (kinds and sizes) among the instances of
+iterations >= 1 (iteration 0 is warm-up) and of layers >= 1 (layer 0 also frees what only the first layer holds:
+the embedding's output, the attention mask), ties to the later instance. How many instances agreed is kept.
+Replaying a program's sizes from its entry level gives the segment's delta and peak, which is all a composed
+estimate needs of it; the references say what is freed, for reading and for the reserved-memory stream.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ALLOC, FREE = "+", "-"
+OUTSIDE = "outside"
+
+
+@dataclass(frozen=True)
+class Event:
+    op: str        # ALLOC | FREE | WORKER_ALLOC | WORKER_FREE
+    size: int      # bytes allocated, or released by the free
+    ref: str = ""  # a free: the allocation it releases (module docstring); an allocation: ""
+
+
+WORKER_ALLOC, WORKER_FREE = "+~", "-~"
+
+
+@dataclass
+class Program:
+    """One label's representative program in one phase of one run: the compute thread's events and the worker
+    pairs (size, after, until) placed among them."""
+    phase: str
+    label: str
+    compute: tuple                # of Event
+    workers: tuple                # of (size, after, until)
+    instances: int                # instances of the label in the run (iterations >= 1)
+    agreeing: int                 # of which had these compute events and worker sizes
+
+    @property
+    def shape(self) -> tuple:
+        """The event structure: kinds and references of the compute events, and how many worker pairs (what must
+        agree for sizes to be aligned: the same tensors; the workers' windows are widened to agree)."""
+        return tuple(e.op + e.ref for e in self.compute) + (len(self.workers),)
+
+    def events(self, windows: list | None = None) -> list:
+        """The compute events with each worker pair's allocation and free placed by its window (its own, or the
+        given ones: the widest of its structure group)."""
+        return placed(self.compute, self.workers, windows)
+
+    def delta_peak(self) -> tuple[int, int]:
+        return replay_sizes(signed(self.events()))
+
+
+def placed(compute: tuple, workers: tuple, windows: list | None = None) -> list:
+    windows = windows or [(a, u) for _, a, u in workers]
+    before: dict = {}
+    for k, ((size, _, _), (after, until)) in enumerate(zip(workers, windows)):
+        before.setdefault(after, []).append((0, k, Event(WORKER_ALLOC, size, f"~{k}")))
+        before.setdefault(until, []).append((1, k, Event(WORKER_FREE, size, f"~{k}")))
+    out = []
+    for i in range(len(compute) + 1):
+        out += [e for _, _, e in sorted(before.get(i, []), key=lambda x: (x[0], x[1]))]
+        if i < len(compute):
+            out.append(compute[i])
+    return out
+
+
+def signed(events) -> list:
+    return [e.size if e.op in (ALLOC, WORKER_ALLOC) else -e.size for e in events]
+
+
+def replay_sizes(signed: list) -> tuple:
+    """(delta, peak) of signed sizes replayed from level 0: the level at the end and the highest level reached
+    (0 if it never rises above the entry)."""
+    level = peak = 0
+    for x in signed:
+        level += x
+        if level > peak:
+            peak = level
+    return level, peak
+
+
+@dataclass
+class RunPrograms:
+    path: str
+    programs: dict = field(default_factory=dict)     # (phase, label) -> Program
+
+
+def rank_instances(pr, segs) -> list:
+    """[(Segment, [Event])] for every segment of one parsed rank."""
+    from tracer.trace_reader import FREE as K_FREE, MALLOC as K_MALLOC
+    kind = np.asarray(pr.trace.records["kind"])
+    tid = np.asarray(pr.trace.records["tid"])
+    a = pr.allocs
+    m_idx, f_idx, size = a["idx"], a["free"], a["size"]
+    n = pr.n_events
+    alloc_of = np.full(n + 1, -1, np.int64)          # record index -> allocation number
+    alloc_of[m_idx] = np.arange(len(m_idx))
+    freed = np.full(n + 1, -1, np.int64)             # record index of a matched FREE -> allocation number
+    ok = f_idx < n
+    freed[f_idx[ok]] = np.flatnonzero(ok)
+    seg_of = np.full(n, -1, np.int64)                # record -> segment (segments partition (start, end])
+    for si, s in enumerate(segs):
+        seg_of[s.start + 1:s.end + 1] = si
+    local_index = np.full(len(m_idx), -1, np.int64)  # allocation -> its index within its segment
+    is_mem = (kind == K_MALLOC) | ((kind == K_FREE) & (freed[:n] >= 0))
+    compute_tid = {}
+    for phase in ("fwd", "bwd"):   # the thread that runs a phase (autograd's device thread on a GPU backward)
+        rows = [np.arange(s.start + 1, s.end + 1) for s in segs if s.phase == phase]
+        rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        rows = rows[is_mem[rows]]
+        compute_tid[phase] = int(np.bincount(tid[rows]).argmax()) if len(rows) else 0
+    out = []
+    for si, s in enumerate(segs):
+        idx = np.arange(s.start + 1, s.end + 1)
+        idx = idx[is_mem[idx]]
+        main = compute_tid[s.phase]
+        # worker pairs: allocated and freed inside this segment, both by another thread than the phase's
+        pair_free = {}
+        for i in idx.tolist():
+            if kind[i] == K_MALLOC and tid[i] != main:
+                f = int(f_idx[alloc_of[i]])
+                if s.start < f <= s.end and tid[f] != main:
+                    pair_free[f] = i
+        paired = set(pair_free) | set(pair_free.values())
+        compute, workers, opened, j = [], [], {}, 0
+        for i in idx.tolist():
+            if i in paired:
+                if kind[i] == K_MALLOC:
+                    opened[i] = len(workers)
+                    workers.append([int(size[alloc_of[i]]), len(compute), None])
+                else:
+                    workers[opened[pair_free[i]]][2] = len(compute)
+                continue
+            if kind[i] == K_MALLOC:
+                al = alloc_of[i]
+                local_index[al] = j
+                j += 1
+                compute.append(Event(ALLOC, int(size[al])))
+            else:
+                al = freed[i]
+                compute.append(Event(FREE, int(size[al]), _ref(segs, si, int(seg_of[m_idx[al]]), int(local_index[al]))))
+        out.append((s, tuple(compute), tuple(sorted(tuple(w) for w in workers))))
+    return out
+
+
+def _ref(segs, here: int, there: int, j: int) -> str:
+    if there == here:
+        return f"#{j}"
+    if there < 0 or j < 0:
+        return OUTSIDE
+    s, o = segs[here], segs[there]
+    where = f"{o.phase}:{o.label}"
+    if s.layer is not None and o.layer is not None and o.layer != s.layer:
+        where += f"[{o.layer - s.layer:+d}]"
+    if o.microbatch != s.microbatch or o.iteration != s.iteration:
+        where += f"@mb{o.microbatch - s.microbatch:+d}" if o.iteration == s.iteration else "@iter"
+    return f"{where}#{j}"
+
+
+def run_programs(path: str, ranks: list) -> RunPrograms:
+    """The representative program of every (phase, label) of one run (all ranks pooled)."""
+    from tracer.segments import rank_segments
+    inst: dict = {}
+    for pr in ranks:
+        segs = rank_segments(pr)
+        later = any(s.iteration >= 1 for s in segs)
+        for s, compute, workers in rank_instances(pr, segs):
+            if later and s.iteration < 1:
+                continue
+            inst.setdefault((s.phase, s.label), []).append((s, compute, workers))
+    out = RunPrograms(path)
+    for (phase, label), lst in inst.items():
+        generic = [x for x in lst if x[0].layer is None or x[0].layer >= 1] or lst
+        count = Counter(_sized(c, w) for _, c, w in generic)
+        best = max(count.values())
+        # ties: the later instance (the last layer of the forward; in backward, the layer nearest the loss)
+        key = next(_sized(c, w) for _, c, w in reversed(generic) if count[_sized(c, w)] == best)
+        chosen = [(c, w) for _, c, w in generic if _sized(c, w) == key]
+        compute = chosen[-1][0]
+        out.programs[(phase, label)] = Program(phase, label, compute, widest([w for _, w in chosen]), len(lst), best)
+    return out
+
+
+def widest(worker_lists: list) -> tuple:
+    """Worker pairs of several instances (same sizes in order) with the widest window of each."""
+    first = worker_lists[0]
+    return tuple((size, min(w[k][1] for w in worker_lists), max(w[k][2] for w in worker_lists))
+                 for k, (size, _, _) in enumerate(first))
+
+
+def _sized(compute: tuple, workers: tuple) -> tuple:
+    return tuple((e.op, e.size) for e in compute), tuple(size for size, _, _ in workers)

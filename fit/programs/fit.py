@@ -1,0 +1,222 @@
+"""Traced runs -> a program set: per segment label and phase, the allocation program of each cell, sizes exact.
+
+For one (phase, label) the runs' representative programs (extract.py) are grouped by their event structure
+(kinds and local references). The switches that explain the grouping are searched among those that can change
+the label (fit.segment_fit.RELEVANT): the fewest whose values determine the structure on every run; each of their
+value combinations seen is a cell. Each structure group's sizes are then solved event by event over all its runs
+(sizes.py), pooled across cells, so a cell with few runs is fitted on its neighbours' data where its sizes follow
+the same formulas. Where one event of a group has no exact formula over the pool, the group is split by the
+relevant switch whose parts all fit (a switch that changes a size, not the structure: an fp32 copy under bf16).
+Nothing aggregate is fitted: the delta and peak of a segment come from replaying its program (replay.py).
+
+What cannot be fitted is said, never guessed: an event no formula reproduces, a grouping no switch explains
+(a structure that varies between runs of one switch combination: a thread that frees at a varying moment).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .extract import ALLOC, FREE, WORKER_ALLOC, WORKER_FREE, widest
+from .sizes import SizeSolver, format_terms
+
+
+
+@dataclass
+class Run:
+    path: str
+    switches: dict
+    point: dict          # variables as plain numbers (int or float)
+    programs: dict       # (phase, label) -> extract.Program
+    children: dict       # op -> [child ops] (the op structure)
+    peaks: list
+    backend: str
+    device: str | None
+
+
+@dataclass
+class Cell:
+    """One fitted program: the cells (switch values) it answers and its events with size formulas."""
+    phase: str
+    label: str
+    when: list                     # [{switch: value}], the cells; [{}] = any
+    events: list                   # [(op, size terms, ref)]
+    runs: list                     # Run paths
+    seen: dict                     # switch -> sorted values its runs had (relevant switches only)
+    notes: list = field(default_factory=list)
+    failed: list = field(default_factory=list)   # [(event index, reason)]: sizes no formula fits
+
+
+def relevant_switches(label: str, runs: list) -> list:
+    from fit.segment_fit import ORDER, relevant
+    keys = [k for k in ORDER if relevant(label, k)]
+    return [k for k in keys if len({_hashable(r.switches.get(k)) for r in runs}) > 1]
+
+
+def _hashable(v):
+    return v
+
+
+def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = None) -> list:
+    """Split runs by switches until each part has one event structure: [(path, items)], path the switch values
+    that define the part. At each step the switch (in `keys` order on ties) that leaves the fewest runs outside
+    their part's most common structure; a part no remaining switch splits, yet holding two structures, keeps its
+    most common one and names the other runs in `notes` (a structure that varies within one switch combination)."""
+    shapes = Counter(p.shape for _, p in items)
+    if len(shapes) == 1:
+        return [(path, items)]
+    used = {k for k, _ in path}
+    best = None
+    for k in keys:
+        if k in used:
+            continue
+        parts: dict = {}
+        for r, p in items:
+            parts.setdefault(r.switches.get(k), []).append((r, p))
+        if len(parts) < 2:
+            continue
+        impurity = sum(len(part) - Counter(p.shape for _, p in part).most_common(1)[0][1] for part in parts.values())
+        if best is None or impurity < best[0]:
+            best = (impurity, k, parts)
+    if best is None:
+        top = shapes.most_common(1)[0][0]
+        if notes is not None:
+            notes += [f"{r.path}: another event structure than the other runs of its switches (not reproduced)"
+                      for r, p in items if p.shape != top]
+        return [(path, [(r, p) for r, p in items if p.shape == top])]
+    out = []
+    for v, part in sorted(best[2].items(), key=lambda kv: repr(kv[0])):
+        out += cell_tree(part, keys, path + ((best[1], v),), notes)
+    return out
+
+
+def fit_label(phase: str, label: str, items: list) -> list:
+    """items: [(Run, Program)] -> [Cell]."""
+    runs = [r for r, _ in items]
+    keys = relevant_switches(label, runs)
+    notes: list = []
+    leaves = cell_tree(items, keys, (), notes)
+    groups: dict = {}
+    for path, members in leaves:
+        for r, p in members:
+            groups.setdefault(p.shape, []).append((r, p, path))
+    out = []
+    known = Counter()      # formulas fitted on this label's larger groups, by the runs that support them
+    for members in sorted(groups.values(), key=len, reverse=True):
+        prior = [t for t, _ in known.most_common()] + [t for t, _ in KNOWN.most_common() if t not in known]
+        cells = _fit_group(phase, label, members, (), keys, notes, prior=prior)
+        for c in cells:
+            for _, terms, _ in c.events:
+                if terms:
+                    known[terms] += len(c.runs)
+        out += cells
+    KNOWN.update(known)
+    return out
+
+
+# formulas fitted so far in this process, over all labels (fit order: build.fit_runs sorts the labels)
+KNOWN: Counter = Counter()
+
+
+def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, notes: list, depth: int = 0,
+               prior: list | None = None) -> list:
+    """One structure's runs ([(Run, Program, leaf path)]) -> [Cell], split further by `split` switches."""
+    runs = [r for r, _, _ in members]
+    solver = SizeSolver(label, [r.point for r in runs], prior)
+    windows = list(widest([p.workers for _, p, _ in members])) if members[0][1].workers else []
+    windows = [(a, u) for _, a, u in windows]
+    progs = [p.events(windows) for _, p, _ in members]
+    n_ev = len(progs[0])
+    events, failed = [], []
+    for i in range(n_ev):
+        ev0 = progs[0][i]
+        if ev0.op == FREE and ev0.ref.startswith("#") or ev0.op == WORKER_FREE:
+            events.append((ev0.op, None, ev0.ref))     # releases an allocation of this segment: its size
+            continue
+        sizes = [p[i].size for p in progs]
+        fit = solver.fit(sizes)
+        if fit is None:
+            failed.append(i)
+            events.append((ev0.op, None, _common_ref(progs, i)))
+        else:
+            events.append((ev0.op, fit.terms, _common_ref(progs, i)))
+    if failed and depth < 2:
+        parted = _split(phase, label, members, split, keys, notes, depth)
+        if parted is not None:
+            return parted
+    when = []
+    for r, _, path in members:
+        cell = dict(path)
+        cell.update({k: r.switches.get(k) for k in split})
+        if cell not in when:
+            when.append(cell)
+    when.sort(key=lambda c: repr(sorted(c.items())))
+    reasons = [(i, "no sum of at most three candidate monomials reproduces its sizes on the "
+                f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].size}" for j in range(min(4, len(progs)))))
+               for i in failed]
+    return [Cell(phase, label, when, events, [r.path for r in runs], _seen(label, runs), list(notes), reasons)]
+
+
+def _split(phase, label, members, split, keys, notes, depth):
+    """Split a structure group by the switch whose parts all fit (a switch that changes a size, not the
+    structure); None if none does."""
+    for k in keys:
+        if k in split or any(k in dict(path) for _, _, path in members):
+            continue
+        parts: dict = {}
+        for m in members:
+            parts.setdefault(m[0].switches.get(k), []).append(m)
+        if len(parts) < 2:
+            continue
+        cells = []
+        for part in parts.values():
+            cells += _fit_group(phase, label, part, split + (k,), keys, notes, depth + 1)  # fresh: a split fits apart
+        if not any(c.failed for c in cells):
+            return cells
+    return None
+
+
+def _common_ref(progs: list, i: int) -> str:
+    return Counter(p[i].ref for p in progs).most_common(1)[0][0]
+
+
+def _seen(label: str, runs: list) -> dict:
+    from fit.segment_fit import ORDER, relevant
+    out = {}
+    for k in ORDER:
+        if relevant(label, k):
+            out[k] = sorted({r.switches.get(k) for r in runs}, key=repr)
+    return out
+
+
+def event_texts(events: list) -> list:
+    """The readable events of a cell: '+ e*s*b*h/st', '- #0', '- e*s*b*h/st fwd:layers.*.mlp@linear_fc1#0'."""
+    out = []
+    for op, terms, ref in events:
+        if terms is None and (ref.startswith("#") or op == WORKER_FREE):
+            out.append(f"{op} {ref}")
+        elif terms is None:
+            out.append(f"{op} ?" + (f" {ref}" if ref else ""))
+        else:
+            out.append(f"{op} {format_terms(terms)}" + (f" {ref}" if ref else ""))
+    return out
+
+
+def cell_signed_sizes(events: list, env: dict) -> list:
+    """A cell's events as signed byte counts at one point (for its own checks)."""
+    from fit.basis import evaluate
+    allocs, workers, out = [], {}, []
+    for op, terms, ref in events:
+        if op in (ALLOC, WORKER_ALLOC):
+            size = sum(c * evaluate(m, env) for c, m in terms)
+            if op == ALLOC:
+                allocs.append(size)
+            else:
+                workers[ref] = size
+            out.append(size)
+        elif terms is None:
+            out.append(-(allocs[int(ref[1:])] if op == FREE else workers[ref]))
+        else:
+            out.append(-sum(c * evaluate(m, env) for c, m in terms))
+    return out
