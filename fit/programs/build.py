@@ -17,7 +17,7 @@ import time
 from estimator import programs as P
 
 from ..dataset import DatasetError, expand_dirs, parsed_run, point_of
-from .extract import replay_sizes, run_programs
+from .extract import run_programs
 from .fit import Run, fit_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

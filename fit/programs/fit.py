@@ -14,12 +14,11 @@ What cannot be fitted is said, never guessed: an event no formula reproduces, a 
 """
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .extract import ALLOC, FREE, WORKER_ALLOC, WORKER_FREE, widest
-from .sizes import SizeSolver, format_terms
+from .extract import FREE, WORKER_FREE, widest
+from .sizes import SizeSolver
 
 
 
@@ -51,11 +50,7 @@ class Cell:
 def relevant_switches(label: str, runs: list) -> list:
     from fit.segment_fit import ORDER, relevant
     keys = [k for k in ORDER if relevant(label, k)]
-    return [k for k in keys if len({_hashable(r.switches.get(k)) for r in runs}) > 1]
-
-
-def _hashable(v):
-    return v
+    return [k for k in keys if len({r.switches.get(k) for r in runs}) > 1]
 
 
 def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = None) -> list:
@@ -187,36 +182,4 @@ def _seen(label: str, runs: list) -> dict:
     for k in ORDER:
         if relevant(label, k):
             out[k] = sorted({r.switches.get(k) for r in runs}, key=repr)
-    return out
-
-
-def event_texts(events: list) -> list:
-    """The readable events of a cell: '+ e*s*b*h/st', '- #0', '- e*s*b*h/st fwd:layers.*.mlp@linear_fc1#0'."""
-    out = []
-    for op, terms, ref in events:
-        if terms is None and (ref.startswith("#") or op == WORKER_FREE):
-            out.append(f"{op} {ref}")
-        elif terms is None:
-            out.append(f"{op} ?" + (f" {ref}" if ref else ""))
-        else:
-            out.append(f"{op} {format_terms(terms)}" + (f" {ref}" if ref else ""))
-    return out
-
-
-def cell_signed_sizes(events: list, env: dict) -> list:
-    """A cell's events as signed byte counts at one point (for its own checks)."""
-    from fit.basis import evaluate
-    allocs, workers, out = [], {}, []
-    for op, terms, ref in events:
-        if op in (ALLOC, WORKER_ALLOC):
-            size = sum(c * evaluate(m, env) for c, m in terms)
-            if op == ALLOC:
-                allocs.append(size)
-            else:
-                workers[ref] = size
-            out.append(size)
-        elif terms is None:
-            out.append(-(allocs[int(ref[1:])] if op == FREE else workers[ref]))
-        else:
-            out.append(-sum(c * evaluate(m, env) for c, m in terms))
     return out

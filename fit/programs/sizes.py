@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from fit.basis import FAMILIES, candidates, evaluate, format_monomial, parse_monomial, times
+from fit.basis import FAMILIES, candidates, evaluate, parse_monomial, times
 
 MAX_TERMS = 3
 MAX_DENOMINATOR = 64
@@ -26,28 +26,6 @@ MAX_DENOMINATOR = 64
 class SizeFit:
     terms: tuple          # ((Fraction, monomial), ...); () is 0 bytes
     alternatives: int     # other fits as sparse that also reproduce every run (0: the data decide it)
-
-    def text(self) -> str:
-        return format_terms(self.terms)
-
-
-def format_terms(terms) -> str:
-    """'e*s*b*h/st + 4*b*a*s*s/t'; '0' for no terms."""
-    out = []
-    for c, m in terms:
-        mono = format_monomial(m)
-        if mono == "1":
-            out.append(_coef_text(c))
-        elif c == 1:
-            out.append(mono)
-        else:
-            out.append(f"{_coef_text(c)}*{mono}")
-    text = " + ".join(out) or "0"
-    return text.replace("+ -", "- ")
-
-
-def _coef_text(c: Fraction) -> str:
-    return str(c.numerator) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
 
 
 def _all_atoms() -> list:
@@ -236,43 +214,3 @@ def _cost(terms: tuple, combo: tuple) -> tuple:
     fractional = sum(c.denominator != 1 for c, _ in terms)
     size = sum(abs(c.numerator) + c.denominator for c, _ in terms)
     return fractional, size, combo
-
-
-def parse_terms(text: str) -> tuple:
-    """Inverse of format_terms: 'e*s*b*h/st - 2*s*b' -> ((Fraction(1), monomial), (Fraction(-2), monomial))."""
-    text = text.strip()
-    if text == "0":
-        return ()
-    out = []
-    for sign, part in _split_signed(text):
-        factors = part.split("*", 1)
-        head = factors[0].strip()
-        coef = Fraction(1)
-        rest = part
-        if head and (head[0].isdigit()):
-            num, _, den_and_rest = part.partition("*")
-            if "/" in num:
-                p, q = num.split("/", 1)
-                if not q.strip().isdigit():   # '3/t' is a monomial with a coefficient 3
-                    coef, rest = Fraction(int(p)), "1/" + q + ("*" + den_and_rest if den_and_rest else "")
-                else:
-                    coef, rest = Fraction(int(p), int(q)), den_and_rest or "1"
-            else:
-                coef, rest = Fraction(int(num)), den_and_rest or "1"
-        out.append((sign * coef, parse_monomial(rest)))
-    return tuple(out)
-
-
-def _split_signed(text: str):
-    parts, sign, cur = [], 1, ""
-    for tok in text.replace("-", " - ").replace("+", " + ").split():
-        if tok in "+-":
-            if cur:
-                parts.append((sign, cur))
-                cur = ""
-            sign = -1 if tok == "-" else 1
-        else:
-            cur += tok
-    if cur:
-        parts.append((sign, cur))
-    return parts
