@@ -35,6 +35,7 @@ bench: $(VENV)/.test-ready
 # Refit every shipped program set from its committed traces; fails if a result differs from the shipped file.
 refit: $(VENV)/.test-ready
 	$(PY) -m fit.programs --check fit/sets/programs/cpu_compose.json
+	$(PY) -m fit.programs --check fit/sets/programs/gpu_h100.json
 
 # Seeded fuzzing of every input (command lines, formula sets, HF configs, traces): 2,000 cases per kind, 200 traces.
 fuzz: $(VENV)/.test-ready

@@ -200,6 +200,9 @@ def recomputed_groups(cfg, n_layers: int) -> List[Tuple[int, int, bool]]:
 
 def cache_for(fset, cfg):
     """The per-(set, config) evaluator: a LayerCache, or for a composed set (FORMATS 4.1) a ComposedCache."""
+    if fset.programs is not None:
+        from .program_cache import ProgramCache
+        return ProgramCache(fset, cfg)
     if fset.composed:
         from .compose import ComposedCache
         return ComposedCache(fset, cfg)

@@ -75,6 +75,7 @@ class ComposedCache:
             self._by_label.setdefault(sf.label, []).append(sf)
         for lst in self._by_label.values():
             lst.sort(key=lambda sf: -len(sf.when))
+        self._first_chunk = False     # the chunk being walked holds the embedding (sequence's `first`)
         self.saved_measured = 0.0
         self.saved_extrapolated = 0.0
         self.extrapolated: set = set()
@@ -92,9 +93,10 @@ class ComposedCache:
                 "standins": [] if self.fset.measured_on_gpu else standin_families(self.sw, self.untraced)}
 
     # ---- values
-    def values(self, label: str, sw: dict, tokens: float = 1.0) -> tuple:
+    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False) -> tuple:
         """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label under switches sw; `tokens`: the factor
-        on its routed tokens (estimator.moe_tokens), applied to k."""
+        on its routed tokens (estimator.moe_tokens), applied to k; `first`: at the model's first layer (a program
+        set may hold that layer's own programs; a composed set has none)."""
         key = (label, sw["moe"], sw["recompute"], tokens)
         hit = self._values.get(key)
         if hit is None:
@@ -172,6 +174,7 @@ class ComposedCache:
         that stays too, and a group whose output's gradient came by p2p (`received`) leaves that to the chunk."""
         from .activations import recomputed_groups
         out: list = []
+        self._first_chunk = first
         root_kids = [c for c in self.children(ROOT, self.sw)
                      if (first or c not in FIRST_ONLY) and (last or c not in LAST_ONLY)]
         self._own(ROOT, None, self.sw, out)
@@ -190,7 +193,8 @@ class ComposedCache:
             for i in range(lo, hi):
                 sw = dict(self.sw, moe=bool(moe_flags[i]))
                 self._expand(LAYER, i, sw, items)
-                self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder")
+                self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder",
+                          first=self._first_chunk and i == 0)
             if ckpt:
                 # An MoE layer's recomputed graph outlives the checkpoint's backward (the token dispatcher keeps
                 # its routing probabilities, which reach back to the group's detached input): the group's input
@@ -243,14 +247,16 @@ class ComposedCache:
             out[ckpt_at] += (self.context, self.context + deferred, self.context + self.value_hold, 1)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
-             expert: float | None = None) -> None:
+             expert: float | None = None, first: bool = False) -> None:
         if label not in self._by_label:
             return      # never seen allocating in any traced run: a segment without bytes
         tokens = 1.0
         if sw["moe"] and self.routing.scales and moe_tokens.routed(label):
             # one local expert's segments take its share; the rest of the expert side the rank's
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
-        out.append((label, self.values(label, sw, tokens), op or label, layer))
+        first = first or (layer == 0 and self._first_chunk)
+        out.append((label, self.values(label, sw, tokens, first) if first else self.values(label, sw, tokens),
+                    op or label, layer))
 
 
 def _after_mlp(items: list) -> int:
@@ -320,9 +326,13 @@ def untraced_features(cfg, sw: dict, fset) -> list:
         for sf in fset.segments:
             for k, vals in sf.seen:
                 seen_values.setdefault(k, set()).update(vals)
+        for cell in fset.programs.cells if fset.programs is not None else ():
+            for k, vals in cell.seen.items():
+                seen_values.setdefault(k, set()).update(vals)
         # A set fitted before the kernel switches existed saw only the CPU kernels.
         for k, v in F.CPU_KERNELS.items():
-            seen_values.setdefault(k, {v})
+            if k != "fuse_bda":     # recorded since program sets: a set without it never told it apart
+                seen_values.setdefault(k, {v})
         seen_values.setdefault("fuse_ce", {"none"})   # a set fitted before this switch existed
     for k, v in sw.items():
         if k == "dropout_mask" and not sw.get("dropout"):
@@ -349,6 +359,8 @@ STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "
 def _traced_switches(fset) -> list:
     """The switches of every run the set was fitted on (its provenance), computed once per set."""
     hit = fset._cache.get("traced switches")
+    if hit is None and fset.programs is not None:
+        hit = fset._cache["traced switches"] = fset.programs.traced
     if hit is None:
         hit = fset._cache["traced switches"] = [F.switches(t["config"]) for t in fset.provenance.get("traces", [])
                                                 if isinstance(t, dict) and isinstance(t.get("config"), dict)]

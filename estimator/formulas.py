@@ -67,6 +67,8 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "fuse_act": (True, False),
     "fuse_softmax": (True, False),
     "fuse_rope": (True, False),
+    # the bias-dropout-add into the residual stream as one fused (jit) function or as separate ops
+    "fuse_bda": (True, False),
     "dropout_mask": ("byte", "dtype"),
     # --cross-entropy-loss-fusion and its --cross-entropy-fusion-impl: the native one's scripted kernels hold one
     # more fp32 copy of the logits in forward on a GPU (measured on H100), TE's is its own kernel
@@ -205,6 +207,7 @@ class FormulaSet:
     fallbacks: set = field(default_factory=set, repr=False)
     segments: List["SegmentFormula"] = field(default_factory=list)    # composed sets (FORMATS 4.1)
     structure: List[Tuple[str, Tuple[Tuple[str, Any], ...], Tuple[str, ...]]] = field(default_factory=list)
+    programs: Any = None    # a program set (estimator.programs, FORMATS 7): evaluated by estimator.program_cache
     _by_op: Dict[str, List[Formula]] = field(default_factory=dict, repr=False)
     _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -217,7 +220,7 @@ class FormulaSet:
 
     @property
     def composed(self) -> bool:
-        return bool(self.segments)
+        return bool(self.segments) or self.programs is not None
 
     @property
     def measured_on_gpu(self) -> bool:
@@ -403,6 +406,9 @@ def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
     src = path or "<formula set>"
     if not isinstance(doc, dict):
         raise FormulaError(f"{src}: top level must be a JSON object")
+    from . import programs as P
+    if doc.get("format") == P.FORMAT:
+        return _program_set(doc, src, path)
     if doc.get("format") != FORMAT:
         raise FormulaError(f"{src}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
     if doc.get("version") not in (VERSION, COMPOSED_VERSION):
@@ -443,6 +449,20 @@ def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
     fset = FormulaSet(doc["name"], kind, str(doc.get("description", "")), prov, formulas, path)
     if composed:
         fset.segments, fset.structure = _segments(doc, src), _structure(doc, src)
+    return fset
+
+
+def _program_set(doc: dict, src: str, path: Optional[str]) -> FormulaSet:
+    """A program set (estimator.programs) behind the FormulaSet interface the estimator selects by."""
+    from . import programs as P
+    try:
+        ps = P.from_dict(doc, path)
+    except P.ProgramError as exc:
+        raise FormulaError(str(exc)) from None
+    if ps.kind not in ("modelled", "fitted") or not ps.name:
+        raise FormulaError(f"{src}: a program set needs a 'name' and 'kind' 'modelled' or 'fitted'")
+    fset = FormulaSet(ps.name, ps.kind, ps.description, {"backends": ps.backends}, [], path, programs=ps)
+    fset.structure = _structure(doc, src)
     return fset
 
 
@@ -504,7 +524,7 @@ def shipped_sets() -> list:
     names = set()
     for d in SET_DIRS:
         if os.path.isdir(d):
-            names.update(f[:-5] for f in os.listdir(d) if f.endswith(".json"))
+            names.update(f[:-5] for f in os.listdir(d) if f.endswith(".json") and not f.endswith(".provenance.json"))
     return sorted(names)
 
 
@@ -634,7 +654,7 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
 # What the built-in harness ran on CPU before the GPU stand-ins (tracer/standins.py), whatever the flags: the local
 # spec, no fused kernel, eager CPU dropout. Traces without a `kernels` record in their header ran this.
 CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse_softmax": False,
-               "fuse_rope": False, "dropout_mask": "dtype"}
+               "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False}
 
 
 def softmax_batch_per_block(sk: int) -> int:
@@ -675,6 +695,7 @@ def kernels(cfg: Any) -> Dict[str, Any]:
         "fuse_rope": bool(_get(cfg, "apply_rope_fusion", True)
                           and _get(cfg, "position_embedding_type", "learned_absolute") in ("rope", "yarn")),
         "dropout_mask": "byte",
+        "fuse_bda": bool(_get(cfg, "bias_dropout_fusion", True)),
     }
 
 
@@ -742,7 +763,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "bias": bool(_get(cfg, "add_bias_linear", True)),
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False)
         and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
-        **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask")},
+        **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask",
+                                     "fuse_bda")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,

@@ -54,9 +54,14 @@ class ProgramCell:
     events: List[ProgramEvent]
     seen: Dict[str, list] = field(default_factory=dict)
     runs: int = 0
+    first: bool = False     # the model's first layer's program ("layer": "first"), which frees what only it holds
 
     def matches(self, sw: Mapping[str, Any]) -> bool:
         return any(all(sw.get(k) == v for k, v in cell.items()) for cell in self.when)
+
+    def covers(self, sw: Mapping[str, Any]) -> bool:
+        """Every switch value of the config was among the cell's runs' (so the program was measured there)."""
+        return all(sw[k] in vals for k, vals in self.seen.items() if k in sw)
 
     def distance(self, sw: Mapping[str, Any]) -> int:
         """Fewest switch values that differ from one of its cells."""
@@ -99,47 +104,63 @@ class ProgramSet:
     structure: list
     checksum: str
     path: Optional[str] = None
+    backends: List[str] = field(default_factory=list)    # what ran the traces: "cuda", "cpu-hook"
+    traced: List[Dict[str, Any]] = field(default_factory=list)   # distinct structure-switch values of the runs
     _by_key: Dict[Tuple[str, str], List[ProgramCell]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         for c in self.cells:
-            self._by_key.setdefault((c.phase, c.label), []).append(c)
+            self._by_key.setdefault((c.phase, c.label) + (("first",) if c.first else ()), []).append(c)
 
     def labels(self) -> List[str]:
-        return sorted({label for _, label in self._by_key})
+        return sorted({key[1] for key in self._by_key})
 
-    def select(self, phase: str, label: str, sw: Mapping[str, Any]) -> Tuple[Optional[ProgramCell], bool]:
-        """(the cell answering the label's phase under switches sw, measured). Where no cell matches, the nearest
-        cells (fewest differing switch values) are candidates and the caller takes the largest (extrapolated)."""
-        cells = self._by_key.get((phase, label), [])
-        for c in cells:
-            if c.matches(sw):
-                return c, True
-        return None, False
+    def select(self, phase: str, label: str, sw: Mapping[str, Any], first: bool = False
+               ) -> Tuple[List[ProgramCell], bool]:
+        """(the cells answering the label's phase under switches sw, measured: their runs had each of sw's values).
+        More than one where runs of one switch combination had several event structures that no switch explains
+        (a kernel that picks its workspace by shape): alternatives, of which the caller takes the highest. Where no
+        cell matches: ([], False), and the nearest cells (fewest differing switch values) are the candidates."""
+        cells = []
+        if first:   # the first layer's own programs where the set has them for sw, else the label's
+            cells = [c for c in self._by_key.get((phase, label, "first"), []) if c.matches(sw)]
+        if not cells:
+            cells = [c for c in self._by_key.get((phase, label), []) if c.matches(sw)]
+        return cells, bool(cells) and all(c.covers(sw) for c in cells)
 
     def nearest(self, phase: str, label: str, sw: Mapping[str, Any]) -> List[ProgramCell]:
+        """The label's cells (not the first layer's) with the fewest switch values differing from sw."""
         cells = self._by_key.get((phase, label), [])
         if not cells:
             return []
         d = [c.distance(sw) for c in cells]
         return [c for c, x in zip(cells, d) if x == min(d)]
 
-    def values(self, label: str, sw: Mapping[str, Any], env: Mapping[str, float]) -> Tuple[float, float, float, float,
-                                                                                          bool]:
+    def answer(self, phase: str, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False
+               ) -> Tuple[Optional[ProgramCell], Tuple[float, float], bool]:
+        """(the program taken for the label's phase, its (delta, peak) at env, measured). Among alternatives or
+        the nearest cells, the one whose replay peaks highest (then the largest delta): a bound that errs high.
+        (None, (0, 0), True) where the label never has that phase."""
+        cells, measured = self.select(phase, label, sw, first)
+        if not cells:
+            cells = self.nearest(phase, label, sw)
+            if not cells:
+                return None, (0.0, 0.0), True
+        if len(cells) == 1:
+            return cells[0], cells[0].delta_peak(env), measured
+        scored = [(c.delta_peak(env), i) for i, c in enumerate(cells)]
+        (dp, i) = max(scored, key=lambda x: (x[0][1], x[0][0], -x[1]))
+        return cells[i], dp, measured
+
+    def values(self, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False
+               ) -> Tuple[float, float, float, float, bool]:
         """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label: its programs replayed at env."""
         out: List[float] = []
         measured = True
         for phase in ("fwd", "bwd"):
-            if not self._by_key.get((phase, label)):
-                out += [0.0, 0.0]
-                continue
-            cell, ok = self.select(phase, label, sw)
-            if cell is not None:
-                out += list(cell.delta_peak(env))
-                continue
-            measured = False
-            vals = [c.delta_peak(env) for c in self.nearest(phase, label, sw)]
-            out += [max(v[0] for v in vals), max(v[1] for v in vals)]
+            _, dp, ok = self.answer(phase, label, sw, env, first)
+            out += list(dp)
+            measured = measured and ok
         return (*out, measured)
 
 
@@ -256,15 +277,21 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
         where = f"{src}: programs[{i}]"
         if not isinstance(raw, dict) or raw.get("phase") not in ("fwd", "bwd") or not isinstance(raw.get("label"), str):
             raise ProgramError(f"{where}: needs 'label' and 'phase' ('fwd' or 'bwd')")
+        if raw.get("layer", "any") not in ("any", "first"):
+            raise ProgramError(f"{where}: 'layer' must be 'first' (the model's first layer) when given")
         when = raw.get("when", [{}])
         if not isinstance(when, list) or not all(isinstance(w, dict) for w in when) or not when:
             raise ProgramError(f"{where}: 'when' must be a non-empty list of switch dicts")
         events = [parse_event(e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
         _check_refs(events, where)
         cells.append(ProgramCell(raw["phase"], raw["label"], when, events, raw.get("seen") or {},
-                                 int(raw.get("runs") or 0)))
+                                 int(raw.get("runs") or 0), raw.get("layer") == "first"))
+    backends, traced = doc.get("backends") or [], doc.get("traced") or []
+    if not isinstance(backends, list) or not isinstance(traced, list) or \
+            not all(isinstance(t, dict) for t in traced):
+        raise ProgramError(f"{src}: 'backends' must be a list of names and 'traced' a list of switch dicts")
     return ProgramSet(str(doc.get("name", "")), str(doc.get("kind", "fitted")), str(doc.get("description", "")),
-                      cells, list(doc.get("structure") or []), want, path)
+                      cells, list(doc.get("structure") or []), want, path, [str(b) for b in backends], traced)
 
 
 def _check_refs(events: List[ProgramEvent], where: str) -> None:

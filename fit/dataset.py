@@ -200,7 +200,13 @@ def header_kernels(hdr: dict) -> dict:
     """The kernel families a run had (tracer.standins), from its header; traced before they were recorded: the
     CPU kernels (estimator.formulas.CPU_KERNELS)."""
     kern = hdr.get("kernels")
-    return dict(kern) if isinstance(kern, dict) else dict(CPU_KERNELS)
+    out = {**CPU_KERNELS, **kern} if isinstance(kern, dict) else dict(CPU_KERNELS)
+    if "fuse_bda" not in (kern or {}):
+        # traced before the fused bias-dropout-add was recorded: a CPU run never fuses it (tracer.harness
+        # CPU_OVERRIDES), a GPU run follows its flags
+        cfg = hdr.get("config") or {}
+        out["fuse_bda"] = hdr.get("backend") == "cuda" and bool(cfg.get("bias_dropout_fusion", True))
+    return out
 
 
 def load_run(path: str, raw_ops: bool = False, accept_damaged: bool = False) -> tuple[RunInfo, list[Sample]]:

@@ -158,7 +158,8 @@ def test_kernels_follow_megatron_lm_flags():
             "--vocab-size", "256"]
     k = kernels(parse_args(base + ["--bf16"]))
     assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
-                 "dropout_mask": "byte"}
+                 "dropout_mask": "byte", "fuse_bda": True}
+    assert kernels(parse_args(base + ["--bf16", "--no-bias-dropout-fusion"]))["fuse_bda"] is False
     # fp32: TE has no flash / fused attention for it; 'auto' runs TE's unfused attention (an fp32 softmax)
     k = kernels(parse_args(base))
     assert (k["spec"], k["attention"], k["fuse_softmax"]) == ("te", "unfused", False)

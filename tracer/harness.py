@@ -383,6 +383,7 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None,
     if gpu_kernels or (gpu_kernels is None and not on_cpu()):
         from tracer import standins
         kernels = standins.install(tconfig, cfg, on_gpu=not on_cpu())
+    kernels["fuse_bda"] = bool(tconfig.bias_dropout_fusion)    # what runs (CPU_OVERRIDES turn it off on CPU)
     model = build_model(cfg, tconfig, kernels["spec"] == "te")
     with scopes.scope("setup:optimizer"):
         optimizer = scopes.wrap_optimizer(build_optimizer(cfg, extra, model))

@@ -17,7 +17,7 @@ import time
 from estimator import programs as P
 
 from ..dataset import DatasetError, expand_dirs, parsed_run, point_of
-from .extract import run_programs
+from .extract import Program, run_programs
 from .fit import Run, fit_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,10 +34,29 @@ def load_runs(paths: list, accept_damaged: bool = False) -> list:
         if sw["recompute"] != "none":
             continue
         point = {k: (int(v) if v.denominator == 1 else float(v)) for k, v in point_of(cfg).items()}
-        out.append(Run(_rel(path), sw, point, run_programs(path, ranks).programs, op_children(ranks[0]),
-                       [int(r.peak_bytes) for r in ranks], str(hdr.get("backend", "cpu")), hdr.get("device")))
+        children = op_children(ranks[0])
+        rp = run_programs(path, ranks)
+        programs = with_empty_phases(rp.programs, children)
+        out.append(Run(_rel(path), sw, point, programs, children, [int(r.peak_bytes) for r in ranks],
+                       str(hdr.get("backend", "cpu")), hdr.get("device"), rp.firsts))
     if not out:
         raise DatasetError("no plain (non-recompute) runs among the given directories")
+    return out
+
+
+def with_empty_phases(programs: dict, children: dict) -> dict:
+    """A label the run executes but whose phase allocated nothing (no segment: a backward without its own autograd
+    node, dropout with p = 0) gets an empty program: a measured zero, so a config like the run's is never
+    extrapolated from runs that allocate there."""
+    from estimator.compose import ROOT, own_label
+    labels = {ROOT} | set(children)
+    for op, kids in children.items():
+        labels.update(kids)
+        labels.update(own_label(op, c) for c in kids)
+    out = dict(programs)
+    for label in labels:
+        for phase in ("fwd", "bwd"):
+            out.setdefault((phase, label), Program(phase, label, (), (), 0, 0))
     return out
 
 
@@ -53,12 +72,29 @@ def fit_runs(runs: list) -> list:
     for phase, label in sorted({k for r in runs for k in r.programs}):
         items = [(r, r.programs[(phase, label)]) for r in runs if (phase, label) in r.programs]
         cells += fit_label(phase, label, items)
+    # The model's first layer also frees what only it holds (the embedding's output, the attention mask): its own
+    # programs, for the labels where some run's first layer differs from the others
+    for phase, label in sorted(first_differs(runs)):
+        items = [(r, r.firsts[(phase, label)]) for r in runs if (phase, label) in r.firsts]
+        for c in fit_label(phase, label, items):
+            c.first = True
+            cells.append(c)
     return cells
+
+
+def first_differs(runs: list) -> set:
+    out = set()
+    for r in runs:
+        for key, p in r.firsts.items():
+            q = r.programs.get(key)
+            if q is None or p.compute != q.compute or p.workers != q.workers:
+                out.add(key)
+    return out
 
 
 def documents(runs: list, cells: list, name: str, description: str) -> tuple:
     """(set document, provenance document)."""
-    from fit.segment_fit import fit_structure
+    from .switches import fit_structure
     failed = [(c, i, why) for c in cells for i, why in c.failed]
     if failed:
         c, i, why = failed[0]
@@ -68,41 +104,55 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
         "format": P.FORMAT, "version": P.VERSION, "name": name, "kind": "fitted",
         "description": description or (f"Allocation programs fitted from {len(runs)} traces ({', '.join(where)}); "
                                        f"recompute is composed from the plain layer, never fitted."),
-        "programs": [{"label": c.label, "phase": c.phase, "when": c.when, "runs": len(c.runs), "seen": c.seen,
+        "programs": [{"label": c.label, "phase": c.phase, **({"layer": "first"} if c.first else {}), "when": c.when,
+                      "runs": len(c.runs), "seen": c.seen,
                       "events": [P.format_event(op, terms, ref) for op, terms, ref in c.events]}
                      for c in cells],
         "structure": fit_structure(runs),
+        # What the estimator needs to say where a config leaves the measured ground: the backends that ran the
+        # traces (GPU kernels or CPU stand-ins), and each distinct combination of the switches that change a layer's
+        # op structure among the runs (a pair of values never traced together is not composed from measured parts).
+        "backends": sorted({r.backend for r in runs}),
+        "traced": traced_structures(runs),
     }
     doc["checksum"] = P.content_checksum(doc)
     notes = sorted({n for c in cells for n in c.notes})
     prov = {"set": name, "checksum": doc["checksum"],
             "traces": [{"path": r.path, "peaks": r.peaks, "backend": r.backend, "device": r.device} for r in runs],
-            "cells": [{"label": c.label, "phase": c.phase, "runs": c.runs} for c in cells],
+            "cells": [{"label": c.label, "phase": c.phase, **({"layer": "first"} if c.first else {}), "runs": c.runs}
+                      for c in cells],
             "notes": notes}
     return doc, prov
 
 
+def traced_structures(runs: list) -> list:
+    from estimator.compose import STRUCTURE_SWITCHES
+    seen = {tuple((k, r.switches[k]) for k in STRUCTURE_SWITCHES if k in r.switches) for r in runs}
+    return [dict(t) for t in sorted(seen, key=repr)]
+
+
 def check_runs(fset: P.ProgramSet, runs: list) -> dict:
     """Every run's every (phase, label) replayed from the set at the run's sizes against the trace: `exact` where
-    the set's program reproduces the run's own delta and peak to the byte; `bounded` where the set is higher only
-    because a worker window was widened (errs high, named); `missed` otherwise (a run whose structure the set does
-    not reproduce, named in the provenance notes)."""
+    a program of the run's cell reproduces the run's own delta and peak to the byte (one of its alternatives,
+    where the cell has several: the estimator takes the highest, so such a run is then over-estimated, named in
+    the notes); `bounded` where the set is higher only because a worker window was widened (errs high, named);
+    `missed` otherwise (a run whose structure the set does not reproduce, named in the provenance notes)."""
     exact, bounded, missed = 0, [], []
     for r in runs:
-        for (phase, label), prog in r.programs.items():
-            cell, ok = fset.select(phase, label, r.switches)
-            own = prog.delta_peak()
-            if cell is None:
-                missed.append((r.path, phase, label, own, None))
-                continue
-            got = cell.delta_peak(r.point)
-            got = (round(got[0]), round(got[1]))
-            if got == own:
-                exact += 1
-            elif prog.workers and got[0] == own[0] and got[1] > own[1]:
-                bounded.append((r.path, phase, label, own, got))
-            else:
-                missed.append((r.path, phase, label, own, got))
+        for first, programs in ((False, r.programs), (True, r.firsts)):
+            for (phase, label), prog in programs.items():
+                cells, _ = fset.select(phase, label, r.switches, first)
+                own = prog.delta_peak()
+                if not cells:
+                    missed.append((r.path, phase, label, own, None))
+                    continue
+                got = [tuple(round(x) for x in c.delta_peak(r.point)) for c in cells]
+                if own in got:
+                    exact += 1
+                elif prog.workers and any(g[0] == own[0] and g[1] > own[1] for g in got):
+                    bounded.append((r.path, phase, label, own, got[0]))
+                else:
+                    missed.append((r.path, phase, label, own, got[0]))
     return {"exact": exact, "bounded": bounded, "missed": missed}
 
 

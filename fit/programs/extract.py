@@ -104,6 +104,7 @@ def replay_sizes(signed: list) -> tuple:
 class RunPrograms:
     path: str
     programs: dict = field(default_factory=dict)     # (phase, label) -> Program
+    firsts: dict = field(default_factory=dict)       # (phase, label) -> Program at the model's first layer
 
 
 def rank_instances(pr, segs) -> list:
@@ -179,27 +180,56 @@ def _ref(segs, here: int, there: int, j: int) -> str:
 
 
 def run_programs(path: str, ranks: list) -> RunPrograms:
-    """The representative program of every (phase, label) of one run (all ranks pooled)."""
+    """The representative program of every (phase, label) of one run (all ranks pooled), and of every label's
+    instances at the model's first layer (`firsts`: that layer's segments, and the decoder's own code next to it),
+    which also free what only the first layer holds."""
     from tracer.segments import rank_segments
     inst: dict = {}
+    first: dict = {}
     for pr in ranks:
         segs = rank_segments(pr)
         later = any(s.iteration >= 1 for s in segs)
-        for s, compute, workers in rank_instances(pr, segs):
+        instances = rank_instances(pr, segs)
+        # the chunks that hold the embedding: their layer 0 is the model's first layer
+        embedded = {(s.iteration, s.microbatch, s.chunk) for s in segs if s.label == "embedding"}
+        for i, (s, compute, workers) in enumerate(instances):
             if later and s.iteration < 1:
                 continue
             inst.setdefault((s.phase, s.label), []).append((s, compute, workers))
+            if (s.iteration, s.microbatch, s.chunk) in embedded and _at_first_layer(instances, i):
+                first.setdefault((s.phase, s.label), []).append((s, compute, workers))
     out = RunPrograms(path)
-    for (phase, label), lst in inst.items():
+    for key, lst in inst.items():
         generic = [x for x in lst if x[0].layer is None or x[0].layer >= 1] or lst
-        count = Counter(_sized(c, w) for _, c, w in generic)
-        best = max(count.values())
-        # ties: the later instance (the last layer of the forward; in backward, the layer nearest the loss)
-        key = next(_sized(c, w) for _, c, w in reversed(generic) if count[_sized(c, w)] == best)
-        chosen = [(c, w) for _, c, w in generic if _sized(c, w) == key]
-        compute = chosen[-1][0]
-        out.programs[(phase, label)] = Program(phase, label, compute, widest([w for _, w in chosen]), len(lst), best)
+        out.programs[key] = _representative(key, generic, len(lst))
+    for key, lst in first.items():
+        out.firsts[key] = _representative(key, lst, len(lst))
     return out
+
+
+def _at_first_layer(instances: list, i: int) -> bool:
+    """A segment of the model's first layer, or the decoder's own code right after it (forward) or right before
+    it (backward, which runs in reverse)."""
+    s = instances[i][0]
+    if s.layer is not None:
+        return s.layer == 0 and s.label.startswith("layers.")
+    if not s.label.startswith("decoder@layers"):
+        return False
+    j = i - 1 if s.phase == "fwd" else i + 1
+    if not 0 <= j < len(instances):
+        return False
+    o = instances[j][0]
+    return o.layer == 0 and o.phase == s.phase and o.microbatch == s.microbatch and o.iteration == s.iteration
+
+
+def _representative(key: tuple, lst: list, n: int) -> "Program":
+    """The most common event list among instances (ties: the later instance: the last layer of the forward; in
+    backward, the layer nearest the loss), with its worker pairs' widest windows."""
+    count = Counter(_sized(c, w) for _, c, w in lst)
+    best = max(count.values())
+    want = next(_sized(c, w) for _, c, w in reversed(lst) if count[_sized(c, w)] == best)
+    chosen = [(c, w) for _, c, w in lst if _sized(c, w) == want]
+    return Program(key[0], key[1], chosen[-1][0], widest([w for _, w in chosen]), n, best)
 
 
 def widest(worker_lists: list) -> tuple:

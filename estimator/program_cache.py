@@ -1,0 +1,63 @@
+"""Activations of a chunk from a program set (estimator.programs, FORMATS 7): the composed walk of estimator.compose,
+each segment's delta and peak replayed from its allocation program at the config's sizes.
+
+The walk (the op structure, layers, experts, checkpoints, pipeline boundaries) is compose.ComposedCache's; only a
+segment's values come from elsewhere: its program's events evaluated and replayed, never a fitted aggregate. The
+evaluated events are kept, so the allocation stream (estimator.alloc_stream) takes the program's own tensors in
+their own order rather than a decomposition of a byte count.
+"""
+from __future__ import annotations
+
+from collections import ChainMap
+
+from . import formulas as F
+from .compose import ComposedCache
+
+
+class ProgramCache(ComposedCache):
+    """Per-(set, config) evaluation of a program set: segment values per (label, switches), memoised."""
+
+    def __init__(self, fset: F.FormulaSet, cfg):
+        super().__init__(fset, cfg)
+        self.programs = fset.programs
+        self._by_label = {label: True for label in self.programs.labels()}
+        self._events: dict = {}    # id(values) -> (values, fwd signed events, bwd signed events)
+
+    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False) -> tuple:
+        key = (label, sw["moe"], sw["recompute"], tokens, first)
+        hit = self._values.get(key)
+        if hit is None:
+            hit = self._values[key] = self._evaluate(label, sw, tokens, first)
+        return hit
+
+    def _evaluate(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False) -> tuple:
+        """Each phase from the program of the label's cell matching sw (measured where its runs had each of sw's
+        values; the highest of alternatives); where none matches, the highest replay among the nearest cells
+        (fewest differing switch values), extrapolated."""
+        env = self.env if tokens == 1.0 else ChainMap({"k": self.env["k"] * tokens}, self.env)
+        out: list = []
+        events: list = []
+        measured = True
+        for phase in ("fwd", "bwd"):
+            cell, dp, ok = self.programs.answer(phase, label, sw, env, first)
+            out += list(dp)
+            measured = measured and ok
+            events.append(cell.signed(env) if cell is not None else [])
+        values = (*out, measured)
+        self._events[id(values)] = (values, events[0], events[1])
+        return values
+
+    def answering(self, label: str, i: int, sw: dict):
+        cells, ok = self.programs.select("fwd" if i < 2 else "bwd", label, sw)
+        return cells[0] if ok and len(cells) == 1 else None
+
+    def events(self, values: tuple):
+        """(forward, backward) signed byte counts of the program behind `values` (what values() returned), in
+        order; None where `values` did not come from this cache."""
+        hit = self._events.get(id(values))
+        if hit is None or hit[0] is not values:
+            return None
+        return hit[1], hit[2]
+
+    def parts(self, values: tuple) -> tuple:
+        return (None,) * 4
