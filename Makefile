@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test refit bench fuzz accuracy reserved gpu-validation recompute-twins set-consistency clean
+.PHONY: example test refit bench fuzz accuracy reserved gpu-validation recompute-twins clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,8 @@ bench: $(VENV)/.test-ready
 
 # Refit every shipped program set from its committed traces; fails if a result differs from the shipped file.
 refit: $(VENV)/.test-ready
-	$(PY) -m fit.programs --check fit/sets/programs/cpu_compose.json
-	$(PY) -m fit.programs --check fit/sets/programs/gpu_h100.json
+	$(PY) -m fit.programs --check fit/sets/cpu_compose.json
+	$(PY) -m fit.programs --check fit/sets/gpu_h100.json
 
 # Seeded fuzzing of every input (command lines, formula sets, HF configs, traces): 2,000 cases per kind, 200 traces.
 fuzz: $(VENV)/.test-ready
@@ -56,10 +56,6 @@ gpu-validation: $(VENV)/.test-ready
 # Recompute composed from each packed recomputing run's plain twin's measured segments, no fit involved (seconds).
 recompute-twins: $(VENV)/.test-ready
 	$(PY) benchmarks/recompute_twins.py
-
-# A composed set against the runs it was fitted from, label by label (seconds).
-set-consistency: $(VENV)/.test-ready
-	$(PY) benchmarks/set_consistency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

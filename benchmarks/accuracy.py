@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 
 DEFAULT_GRID = os.path.join(ROOT, "benchmarks", "accuracy_grid.json")
 DEFAULT_OUT = os.path.join(ROOT, "runs", "accuracy")
-DEFAULT_FITTED = os.path.join(ROOT, "fit", "sets", "cpu_local.json")
+DEFAULT_FITTED = os.path.join(ROOT, "fit", "sets", "cpu_compose.json")
 FIT_GRIDS = os.path.join(ROOT, "fit", "grids")
 TARGET_ABS = 1.0      # % |error| with the fitted set
 TARGET_UNDER = 0.5    # % under-prediction with the fitted set
@@ -72,13 +72,24 @@ def _dict_key(cfg: dict) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
+def _header_config(path: str) -> dict:
+    """{"config": ...} of a committed run (its rank 0 header), path relative to the checkout."""
+    with open(os.path.join(ROOT, path, "rank0.json"), encoding="utf-8") as fh:
+        return {"config": json.load(fh).get("config")}
+
+
 def training_configs(fitted_path: str | None) -> tuple[set, set]:
     """(config keys the fitted set was made from (its provenance), config keys of the fit grids)."""
     prov, grids = set(), set()
     if fitted_path and os.path.isfile(fitted_path):
         with open(fitted_path, encoding="utf-8") as fh:
             doc = json.load(fh)
-        for t in (doc.get("provenance") or {}).get("traces") or []:
+        traces = (doc.get("provenance") or {}).get("traces") or []
+        side = fitted_path[:-5] + ".provenance.json"
+        if not traces and os.path.isfile(side):   # a program set: its runs are listed beside it
+            with open(side, encoding="utf-8") as fh:
+                traces = [_header_config(t["path"]) for t in json.load(fh).get("traces") or []]
+        for t in traces:
             if isinstance(t.get("config"), dict):
                 prov.add(_dict_key(t["config"]))
             elif t.get("argv"):

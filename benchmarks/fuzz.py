@@ -67,7 +67,7 @@ WORLD_VALUES = ["0", "-1", "1", "2", "3", "8", "64", "1000000000000", str(2 ** 6
 _GIB_VALUES = ["0", "0.5", "5", "80", "-1", "nan", "inf", "1e400", "x", ""]
 # The tool's own options with values ("{tmp}" is the case's scratch folder), and those without.
 OWN_VALUES = {"--preset": ["llama2_7b", "mixtral_8x7b", "../presets/llama2_7b", "/etc/passwd", "", "nope"],
-              "--formulas": ["modelled", "cpu_local", "cpu_compose", "", "/dev/null", "/nonexistent.json", "."],
+              "--formulas": ["modelled", "gpu_h100", "cpu_compose", "", "/dev/null", "/nonexistent.json", "."],
               "--hf-config": ["/dev/null", "/nonexistent.json", ".", "/dev/zero"],
               "--gpu-memory": ["80", "H100-80GB", "h200", "B200", "0.001", "1e400"] + _GIB_VALUES,
               "--detail": ["0", "1", "2", "3", "4", "-1", "x", ""],

@@ -21,7 +21,7 @@ if ROOT not in sys.path:
 
 from estimator.memory import estimate  # noqa: E402
 from fit.dataset import run_argv, traced_config  # noqa: E402
-from fit.segment_fit import Run, measured_set  # noqa: E402
+from fit.programs.build import measured_set  # noqa: E402
 
 DIRS = [os.path.join(ROOT, "fit", "traces", d) for d in ("cpu_compose", "cpu_recompute_twins")]
 RECOMPUTE_FLAGS = {"--recompute-activations": 0, "--recompute-granularity": 1, "--recompute-method": 1,
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = []
     for rec, plain, flags in twins():
-        measured, predicted = predict(rec, measured_set(Run(plain)))
+        measured, predicted = predict(rec, measured_set(plain))
         err = 100.0 * (predicted - measured) / measured
         kind = "full" if "full" in flags else "selective"
         rows.append({"run": os.path.relpath(rec, ROOT), "twin": os.path.basename(plain), "recompute": kind,

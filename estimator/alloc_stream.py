@@ -70,11 +70,13 @@ class Stream:
 
 
 class _Stack:
-    """One microbatch's live activation tensors on one chunk, most recent last."""
-    __slots__ = ("st", "items")
+    """One microbatch's live activation tensors on one chunk (id -> bytes, most recent last); a recompute's stack
+    has the stack it runs on as `parent` (its backward frees the checkpoint's inputs, which live there)."""
+    __slots__ = ("st", "items", "by_size", "parent")
 
-    def __init__(self, st: Stream):
-        self.st, self.items = st, []
+    def __init__(self, st: Stream, parent: Optional["_Stack"] = None):
+        self.st, self.items, self.parent = st, {}, parent
+        self.by_size: dict = {}     # bytes -> ids pushed with that size (stale ids skipped on lookup)
 
     def move(self, delta: float, peak: float, parts: Optional[list] = None, cap: float = 0.0) -> None:
         """A segment: the level reaches +peak and ends at +delta (bytes relative to where it starts). parts: the
@@ -93,6 +95,58 @@ class _Stack:
                 self.spike(peak, cap)
             self.pop(-delta)
 
+    def play(self, events: list) -> None:
+        """A segment's allocation program at the config's sizes ([(op, bytes, ref)], estimator.programs): its own
+        tensors in their own order. A free of this segment's allocation frees that tensor; a free of one made
+        elsewhere frees the most recent live tensor of its size (else bytes from the most recent tensors)."""
+        st = self.st
+        local: list = []
+        workers: dict = {}
+        for op, size, ref in events:
+            if op == "+":
+                i = st.alloc(size)
+                local.append(i)
+                if i is not None:
+                    self._add(i, size)
+            elif op == "+~":
+                workers[ref] = st.alloc(size)
+            elif op == "-~":
+                st.free(workers.pop(ref, None))
+            elif ref.startswith("#"):
+                i = local[int(ref[1:])]
+                if i is not None and self.items.pop(i, None) is not None:
+                    st.free(i)
+                elif i is not None:     # a free of another segment's tensor of its size took it: free that one
+                    self.release(size)
+            elif size > 0:
+                self.release(size)
+
+    def release(self, nbytes: float) -> None:
+        """Free a tensor of `nbytes` made elsewhere: the most recent live one of that size here or in a parent
+        stack; else `nbytes` from the most recent tensors here, then the parent's."""
+        stack = self
+        while stack is not None:
+            if stack._free_sized(nbytes):
+                return
+            stack = stack.parent
+        stack = self
+        while nbytes > 0 and stack is not None:
+            nbytes = stack.pop(nbytes)
+            stack = stack.parent
+
+    def _add(self, i: int, nbytes: float) -> None:
+        self.items[i] = nbytes
+        self.by_size.setdefault(nbytes, []).append(i)
+
+    def _free_sized(self, nbytes: float) -> bool:
+        ids = self.by_size.get(nbytes)
+        while ids:
+            i = ids.pop()
+            if self.items.pop(i, None) is not None:
+                self.st.free(i)
+                return True
+        return False
+
     def spike(self, nbytes: float, cap: float) -> None:
         st = self.st
         n = int(-(-nbytes // cap)) if cap > 0 else 1
@@ -103,20 +157,22 @@ class _Stack:
     def push(self, nbytes: float) -> None:
         i = self.st.alloc(nbytes)
         if i is not None:
-            self.items.append((i, nbytes))
+            self._add(i, nbytes)
 
-    def pop(self, nbytes: float) -> None:
-        """Free `nbytes` from the most recent tensors; the last one freed is replaced by what it keeps."""
+    def pop(self, nbytes: float) -> float:
+        """Free `nbytes` from the most recent tensors; the last one freed is replaced by what it keeps. Returns what
+        is left to free (the stack ran out)."""
         while nbytes > 0 and self.items:
-            i, n = self.items.pop()
+            i, n = self.items.popitem()
             self.st.free(i)
             if n > nbytes:
                 self.push(n - nbytes)
             nbytes -= n
+        return max(nbytes, 0.0)
 
     def clear(self) -> None:
         while self.items:
-            self.st.free(self.items.pop()[0])
+            self.st.free(self.items.popitem()[0])
 
 
 # ---- chunk programs: ("seg", fd, fp, bd, bp[, (fparts, fcap, bparts, bcap)]) | ("ckpt", [items], kept, freed[,
@@ -205,6 +261,10 @@ def _composed(items: list, h: float, cache) -> list:
             out.append(("ckpt", _composed(it[1], h, cache), *it[2:]))
         else:
             fd, fp, bd, bp = it[1][:4]
+            events = cache.events(it[1]) if hasattr(cache, "events") else None
+            if events is not None:      # a program set: the segment's own tensors, in order
+                out.append(("prog", fd, fp, bd, bp, events))
+                continue
             parts = cache.parts(it[1])
             if any(parts):
                 # Temporaries are cut into tensors no larger than the phase's largest term, else the segment's.
@@ -219,7 +279,9 @@ def _composed(items: list, h: float, cache) -> list:
 
 def _forward(prog: list, stack: _Stack) -> None:
     for it in prog:
-        if it[0] == "seg":
+        if it[0] == "prog":
+            stack.play(it[5][0])
+        elif it[0] == "seg":
             if len(it) > 5:
                 stack.move(it[1], it[2], it[5][0], it[5][1])
             else:
@@ -240,7 +302,12 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
     for it in reversed(prog):
         if it[0] != "ckpt":
             above_retains = False
-        if it[0] == "seg":
+        if it[0] == "prog":
+            stack.play(it[5][1])
+            due = grad_due(hold)
+            if due:
+                hold.append(stack.st.alloc(due))
+        elif it[0] == "seg":
             if len(it) > 5:
                 stack.move(it[3], it[4], it[5][2], it[5][3])
             else:
@@ -249,9 +316,12 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             if due:
                 hold.append(stack.st.alloc(due))
         elif it[0] == "run":    # its held gradient stays allocated to the chunk's end
-            _backward(it[1], stack, [it[2], it[3]])
+            held = [it[2], it[3]]
+            _backward(it[1], stack, held)
+            if len(held) > 2 and held[2] is not None:
+                stack._add(held[2], it[2])      # freed with the chunk's other tensors
         else:   # recompute the group's forward, run its backward, then its input goes
-            inner = _Stack(stack.st)
+            inner = _Stack(stack.st, stack)
             _forward(it[1], inner)
             grad = [it[4], it[5]] if len(it) > 4 else None    # composed: held as compose._replay_backward holds it
             _backward(it[1], inner, grad)
@@ -259,7 +329,7 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             retains, received = ckpt_keeps(it)
             if grad and len(grad) > 2:
                 if above_retains or received:
-                    stack.items.append((grad[2], it[4]))   # freed with the chunk's other tensors at its end
+                    stack._add(grad[2], it[4])   # freed with the chunk's other tensors at its end
                 else:
                     stack.st.free(grad[2])
             if not retains:

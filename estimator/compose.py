@@ -93,7 +93,8 @@ class ComposedCache:
                 "standins": [] if self.fset.measured_on_gpu else standin_families(self.sw, self.untraced)}
 
     # ---- values
-    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False) -> tuple:
+    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False,
+               instance: str | None = None) -> tuple:
         """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label under switches sw; `tokens`: the factor
         on its routed tokens (estimator.moe_tokens), applied to k; `first`: at the model's first layer (a program
         set may hold that layer's own programs; a composed set has none)."""
@@ -219,8 +220,10 @@ class ComposedCache:
                     self._expand(c, None, self.sw, out)
                     self._own(own_label("decoder", c), None, self.sw, out, op="decoder")
 
-    def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None) -> None:
-        self._own(op, layer, sw, out, expert=expert)
+    def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None,
+                instance: str | None = None) -> None:
+        """instance: "first" | "last" of a repeated child (a SequentialMLP's local experts), passed to its ops."""
+        self._own(op, layer, sw, out, expert=expert, instance=instance)
         ckpt_at, deferred = None, 0.0     # where core attention's checkpoint sits in `out`, what it holds back
         not_held = self.query_copy        # of the frees after it, the bytes the checkpoint does not hold
         for c in self.children(op, sw):
@@ -228,18 +231,20 @@ class ComposedCache:
             # routing bound the busiest runs last (on top of the others' saved bytes, first in backward).
             n = self.local_experts if c.endswith(EXPERT) else 1
             for i in range(n):
+                pos = None if n < 2 else "first" if i == 0 else "last" if i == n - 1 else None
+                inst = pos or instance
                 share = expert
                 if c.endswith(EXPERT) and sw["moe"] and self.routing.scales:
                     share = self.routing.busiest if i == n - 1 else self.routing.rest
                 if c == SELECTIVE_OP and self.selective:
                     group: list = []
-                    self._expand(c, layer, sw, group, share)
+                    self._expand(c, layer, sw, group, share, inst)
                     ckpt_at = len(out)
                     out.append(("ckpt", group))     # completed below, once the frees it holds back are known
                 else:
-                    self._expand(c, layer, sw, out, share)
+                    self._expand(c, layer, sw, out, share, inst)
                 start = len(out)
-                self._own(own_label(op, c), layer, sw, out, op=op, expert=expert)
+                self._own(own_label(op, c), layer, sw, out, op=op, expert=expert, instance=inst)
                 if ckpt_at is not None:
                     held, not_held = _defer_frees(out, start, not_held)
                     deferred += held
@@ -247,7 +252,7 @@ class ComposedCache:
             out[ckpt_at] += (self.context, self.context + deferred, self.context + self.value_hold, 1)
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
-             expert: float | None = None, first: bool = False) -> None:
+             expert: float | None = None, first: bool = False, instance: str | None = None) -> None:
         if label not in self._by_label:
             return      # never seen allocating in any traced run: a segment without bytes
         tokens = 1.0
@@ -255,8 +260,8 @@ class ComposedCache:
             # one local expert's segments take its share; the rest of the expert side the rank's
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
         first = first or (layer == 0 and self._first_chunk)
-        out.append((label, self.values(label, sw, tokens, first) if first else self.values(label, sw, tokens),
-                    op or label, layer))
+        out.append((label, self.values(label, sw, tokens, first, instance) if first or instance
+                    else self.values(label, sw, tokens), op or label, layer))
 
 
 def _after_mlp(items: list) -> int:

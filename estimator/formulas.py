@@ -224,7 +224,7 @@ class FormulaSet:
 
     @property
     def measured_on_gpu(self) -> bool:
-        """Fitted from GPU traces only (provenance `backends`, written by fit.segment_fit): its kernel families
+        """Fitted from GPU traces only (provenance `backends`, written by fit.programs): its kernel families
         were measured on the GPU itself, not on CPU stand-ins."""
         return self.provenance.get("backends") == ["cuda"]
 

@@ -23,14 +23,16 @@ class ProgramCache(ComposedCache):
         self._by_label = {label: True for label in self.programs.labels()}
         self._events: dict = {}    # id(values) -> (values, fwd signed events, bwd signed events)
 
-    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False) -> tuple:
-        key = (label, sw["moe"], sw["recompute"], tokens, first)
+    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False,
+               instance: str | None = None) -> tuple:
+        key = (label, sw["moe"], sw["recompute"], tokens, first, instance)
         hit = self._values.get(key)
         if hit is None:
-            hit = self._values[key] = self._evaluate(label, sw, tokens, first)
+            hit = self._values[key] = self._evaluate(label, sw, tokens, first, instance)
         return hit
 
-    def _evaluate(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False) -> tuple:
+    def _evaluate(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False,
+                  instance: str | None = None) -> tuple:
         """Each phase from the program of the label's cell matching sw (measured where its runs had each of sw's
         values; the highest of alternatives); where none matches, the highest replay among the nearest cells
         (fewest differing switch values), extrapolated."""
@@ -39,10 +41,10 @@ class ProgramCache(ComposedCache):
         events: list = []
         measured = True
         for phase in ("fwd", "bwd"):
-            cell, dp, ok = self.programs.answer(phase, label, sw, env, first)
+            cell, dp, ok = self.programs.answer(phase, label, sw, env, first, instance)
             out += list(dp)
             measured = measured and ok
-            events.append(cell.signed(env) if cell is not None else [])
+            events.append(cell.evaluated(env) if cell is not None else [])
         values = (*out, measured)
         self._events[id(values)] = (values, events[0], events[1])
         return values
@@ -52,8 +54,8 @@ class ProgramCache(ComposedCache):
         return cells[0] if ok and len(cells) == 1 else None
 
     def events(self, values: tuple):
-        """(forward, backward) signed byte counts of the program behind `values` (what values() returned), in
-        order; None where `values` did not come from this cache."""
+        """(forward, backward) events [(op, bytes, ref)] of the programs behind `values` (what values() returned),
+        in order; None where `values` did not come from this cache (a walk adjusted them: compose._defer_frees)."""
         hit = self._events.get(id(values))
         if hit is None or hit[0] is not values:
             return None

@@ -55,6 +55,7 @@ class ProgramCell:
     seen: Dict[str, list] = field(default_factory=dict)
     runs: int = 0
     first: bool = False     # the model's first layer's program ("layer": "first"), which frees what only it holds
+    instance: Optional[str] = None   # "first" | "last" of a label's repeated instances in one call (local experts)
 
     def matches(self, sw: Mapping[str, Any]) -> bool:
         return any(all(sw.get(k) == v for k, v in cell.items()) for cell in self.when)
@@ -87,6 +88,10 @@ class ProgramCell:
                 out.append(-size)
         return out
 
+    def evaluated(self, env: Mapping[str, float]) -> List[Tuple[str, float, str]]:
+        """The events as (op, bytes, ref) at a config's variables (a local free with its allocation's bytes)."""
+        return [(ev.op, -x if x < 0 else x, ev.ref) for ev, x in zip(self.events, self.signed(env))]
+
     def delta_peak(self, env: Mapping[str, float]) -> Tuple[float, float]:
         level = peak = 0.0
         for x in self.signed(env):
@@ -110,20 +115,23 @@ class ProgramSet:
 
     def __post_init__(self):
         for c in self.cells:
-            self._by_key.setdefault((c.phase, c.label) + (("first",) if c.first else ()), []).append(c)
+            qualifier = ("layer:first",) if c.first else (f"instance:{c.instance}",) if c.instance else ()
+            self._by_key.setdefault((c.phase, c.label) + qualifier, []).append(c)
 
     def labels(self) -> List[str]:
         return sorted({key[1] for key in self._by_key})
 
-    def select(self, phase: str, label: str, sw: Mapping[str, Any], first: bool = False
-               ) -> Tuple[List[ProgramCell], bool]:
+    def select(self, phase: str, label: str, sw: Mapping[str, Any], first: bool = False,
+               instance: Optional[str] = None) -> Tuple[List[ProgramCell], bool]:
         """(the cells answering the label's phase under switches sw, measured: their runs had each of sw's values).
         More than one where runs of one switch combination had several event structures that no switch explains
         (a kernel that picks its workspace by shape): alternatives, of which the caller takes the highest. Where no
         cell matches: ([], False), and the nearest cells (fewest differing switch values) are the candidates."""
         cells = []
-        if first:   # the first layer's own programs where the set has them for sw, else the label's
-            cells = [c for c in self._by_key.get((phase, label, "first"), []) if c.matches(sw)]
+        if instance:    # the first / last repeated instance's own programs where the set has them for sw
+            cells = [c for c in self._by_key.get((phase, label, f"instance:{instance}"), []) if c.matches(sw)]
+        if first and not cells:   # the first layer's own programs likewise, else the label's
+            cells = [c for c in self._by_key.get((phase, label, "layer:first"), []) if c.matches(sw)]
         if not cells:
             cells = [c for c in self._by_key.get((phase, label), []) if c.matches(sw)]
         return cells, bool(cells) and all(c.covers(sw) for c in cells)
@@ -136,12 +144,12 @@ class ProgramSet:
         d = [c.distance(sw) for c in cells]
         return [c for c, x in zip(cells, d) if x == min(d)]
 
-    def answer(self, phase: str, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False
-               ) -> Tuple[Optional[ProgramCell], Tuple[float, float], bool]:
+    def answer(self, phase: str, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False,
+               instance: Optional[str] = None) -> Tuple[Optional[ProgramCell], Tuple[float, float], bool]:
         """(the program taken for the label's phase, its (delta, peak) at env, measured). Among alternatives or
         the nearest cells, the one whose replay peaks highest (then the largest delta): a bound that errs high.
         (None, (0, 0), True) where the label never has that phase."""
-        cells, measured = self.select(phase, label, sw, first)
+        cells, measured = self.select(phase, label, sw, first, instance)
         if not cells:
             cells = self.nearest(phase, label, sw)
             if not cells:
@@ -152,13 +160,13 @@ class ProgramSet:
         (dp, i) = max(scored, key=lambda x: (x[0][1], x[0][0], -x[1]))
         return cells[i], dp, measured
 
-    def values(self, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False
-               ) -> Tuple[float, float, float, float, bool]:
+    def values(self, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False,
+               instance: Optional[str] = None) -> Tuple[float, float, float, float, bool]:
         """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label: its programs replayed at env."""
         out: List[float] = []
         measured = True
         for phase in ("fwd", "bwd"):
-            _, dp, ok = self.answer(phase, label, sw, env, first)
+            _, dp, ok = self.answer(phase, label, sw, env, first, instance)
             out += list(dp)
             measured = measured and ok
         return (*out, measured)
@@ -279,13 +287,15 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
             raise ProgramError(f"{where}: needs 'label' and 'phase' ('fwd' or 'bwd')")
         if raw.get("layer", "any") not in ("any", "first"):
             raise ProgramError(f"{where}: 'layer' must be 'first' (the model's first layer) when given")
+        if raw.get("instance") not in (None, "first", "last"):
+            raise ProgramError(f"{where}: 'instance' must be 'first' or 'last' when given")
         when = raw.get("when", [{}])
         if not isinstance(when, list) or not all(isinstance(w, dict) for w in when) or not when:
             raise ProgramError(f"{where}: 'when' must be a non-empty list of switch dicts")
         events = [parse_event(e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
         _check_refs(events, where)
         cells.append(ProgramCell(raw["phase"], raw["label"], when, events, raw.get("seen") or {},
-                                 int(raw.get("runs") or 0), raw.get("layer") == "first"))
+                                 int(raw.get("runs") or 0), raw.get("layer") == "first", raw.get("instance")))
     backends, traced = doc.get("backends") or [], doc.get("traced") or []
     if not isinstance(backends, list) or not isinstance(traced, list) or \
             not all(isinstance(t, dict) for t in traced):

@@ -329,7 +329,7 @@ def _run(args) -> int:
         print(f"packed {len(dirs)} config(s) into {args.pack}")
     if not dirs:
         raise GridError("no complete traces to fit")
-    from .__main__ import main as fit_main
+    from .programs.build import main as fit_main
     rc = fit_main([*dirs, "-o", args.output or os.path.join(out, f"{name}.json"), "--name", name,
                    "--description", grid.get("description", "")])
     return rc or (1 if failures else 0)

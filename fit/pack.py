@@ -2,7 +2,7 @@
 
 Each complete config directory CAMPAIGN_DIR/<config>/ becomes OUT_DIR/<config>/ holding rank<R>.trace.xz (the
 record file, xz-compressed), rank<R>.names, rank<R>.json and campaign.json, unchanged otherwise. The trace reader
-reads the .xz files transparently, so `python -m fit OUT_DIR` and the report/parse tools work on the packed copy
+reads the .xz files transparently, so `python -m fit.programs OUT_DIR` and the report/parse tools work on the packed copy
 directly. Incomplete configs (no final allocator counters, `.partial` runs) are refused, not packed. Packing is
 idempotent: an existing packed config whose files decompress to the same bytes is left as it is.
 """

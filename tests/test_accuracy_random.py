@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FITTED = os.path.join(ROOT, "fit", "sets", "cpu_local.json")
+FITTED = os.path.join(ROOT, "fit", "sets", "cpu_compose.json")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 pytestmark = pytest.mark.megatron

@@ -71,20 +71,3 @@ def test_compiled_evaluation_equals_term_sums(name):
             got = fo.evaluate(env)
             want = tuple(_term_sum(q, env) for q in (fo.saved, fo.fwd_peak, fo.bwd_peak))
             assert got == want and [type(x) for x in got] == [type(x) for x in want], fo.op
-
-
-def test_fallbacks_are_per_estimate():
-    """A report lists the modelled formulas its own estimate used, whatever the process estimated before."""
-    from estimator import report as R
-    base = shlex.split("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-                       "--max-position-embeddings 32 --micro-batch-size 2 --vocab-size 128 --transformer-impl local "
-                       "--formulas cpu_local --nproc_per_node 2 --disable-bias-linear")
-    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
-    first = build_report(base)
-    with_moe = build_report(base + moe)
-    again = build_report(base)
-    assert any(op.startswith("layers.*.mlp.experts") for op, _ in with_moe.estimate.fallbacks)
-    assert not any(op.startswith("layers.*.mlp.experts") for op, _ in again.estimate.fallbacks)
-    assert again.estimate.fallbacks == first.estimate.fallbacks
-    listed = {(d["op"], d["quantity"]) for d in R.to_json(again)["formula_set"]["fallbacks"]}
-    assert listed == again.estimate.fallbacks

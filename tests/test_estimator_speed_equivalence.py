@@ -237,7 +237,7 @@ def _grid_configs():
         yield parse_args(shlex.split(base + flags))
 
 
-@pytest.mark.parametrize("set_name", ["modelled", "cpu_local"])
+@pytest.mark.parametrize("set_name", ["modelled"])
 def test_rows_evaluator_equals_evaluate_selected(set_name):
     from estimator import activations as A
     from estimator import formulas as F

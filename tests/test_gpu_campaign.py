@@ -218,7 +218,7 @@ def test_trace_and_fit_pipeline_on_cpu(tmp_path):
     assert fset.name == "tiny2" and summary["formula_set"] == str(out / "tiny2.json")
     # the set says what it was fitted from, read from the trace headers
     assert json.loads(Path(summary["formula_set"]).read_text())["description"].startswith(
-        "Composed per-op segment formulas fitted from 2 traces (CPU)")
+        "Allocation programs fitted from 2 traces (CPU)")
 
 
 def test_a_broken_setup_stops_the_campaign_early(tmp_path):

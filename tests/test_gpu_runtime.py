@@ -205,5 +205,5 @@ def test_fp32_softmax_fallback_row_te_unfused_and_fitted_sets(monkeypatch):
     # a fitted set measured torch's path on CPU already: no row
     local = ["--transformer-impl", "local", "--attention-softmax-in-fp32", "--no-masked-softmax-fusion",
              "--seq-length", "256", "--max-position-embeddings", "256"]
-    assert "layers.*.self_attention.core_attention_fp32_softmax" not in _core_rows(local, formulas="cpu_local",
+    assert "layers.*.self_attention.core_attention_fp32_softmax" not in _core_rows(local, formulas="cpu_compose",
                                                                                    monkeypatch=monkeypatch)

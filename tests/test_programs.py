@@ -20,7 +20,7 @@ from fit.programs.sizes import SizeSolver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(ROOT, "fit", "traces", "cpu_compose")
-SHIPPED = os.path.join(ROOT, "fit", "sets", "programs", "cpu_compose.json")
+SHIPPED = os.path.join(ROOT, "fit", "sets", "cpu_compose.json")
 
 
 def _runs(prefixes):

@@ -31,6 +31,10 @@ CASES = [
     # a composed set: a checkpoint holds its output's gradient in its backward (compose._replay_backward)
     "--preset llama2_7b --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations "
     "--formulas cpu_compose",
+    # a program set's own tensors under interleaved pipelining: a chunk before the last holds its output's gradient
+    # to its backward's end, then frees it with its other tensors
+    "--preset llama2_7b --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --formulas gpu_h100",
+    "--preset mixtral_8x7b --expert-model-parallel-size 8 --num-layers 4 --formulas cpu_compose",
 ]
 
 

@@ -41,10 +41,12 @@ def samples(tmp_path_factory):
     return out
 
 
+SLACK_BYTES = 64   # a few scalars (a 4-byte tensor freed by the garbage collector in one run, not in another)
+
+
 def _changed(samples, other):
     # A few bytes either way are a scalar the garbage collector freed inside another segment of one run (more
-    # often on a loaded machine): the fit allows the same slack (fit.segment_fit.SLACK_BYTES).
-    from fit.segment_fit import SLACK_BYTES
+    # often on a loaded machine).
     return {label for label, *_ in compare_runs(samples["base"], samples[other], SLACK_BYTES)}
 
 
@@ -69,7 +71,6 @@ def test_layers_of_one_run_allocate_alike(samples):
         for label, s in by_label.items():
             if not s.in_layer:
                 continue
-            from fit.segment_fit import SLACK_BYTES   # a stray scalar, as in _changed
             for q, (lo, hi) in s.spread.items():
                 assert hi - lo <= SLACK_BYTES or (q == "bwd_delta" and hi - lo == mask and s.values[q] == hi
                                                   and label == "layers.*.self_attention.core_attention"), \

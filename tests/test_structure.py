@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from estimator import formulas as F
 from estimator.compose import ComposedCache
-from fit.segment_fit import fit_structure
+from fit.programs.switches import fit_structure
 
 LOCAL = ["layers.*.input_layernorm", "layers.*.self_attention", "layers.*.pre_mlp_layernorm", "layers.*.mlp"]
 TE = ["layers.*.self_attention", "layers.*.mlp"]

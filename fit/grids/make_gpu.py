@@ -43,7 +43,7 @@ GPU_TOGGLES = [(name, *_CPU[name]) for name in _SWITCH_TOGGLES] + [
 ]
 PAIRS = [("dropout", "selective"), ("dropout", "local"), ("selective", "local")]
 # Shapes per combination: the base 5; the switches that change most segments 3; the others and pairs 2. The grid's
-# size is bounded by the fit: python -m fit.segment_fit's cost grows with the square of the runs (fit/gpu_campaign.py).
+# size is bounded by the device time (fit/gpu_campaign.py).
 SHAPES_PER = {"base": 5, "dropout": 3, "selective": 3, "full": 3, "local": 3}
 # Held out: shapes the campaign never traced (and one more layer), one config per base and a few switches.
 VALIDATE_SHAPES = [(1792, 1, 896, 14, None, 3584, 40000), (640, 3, 1152, 16, 96, None, 28000)]

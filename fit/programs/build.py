@@ -19,6 +19,7 @@ from estimator import programs as P
 from ..dataset import DatasetError, expand_dirs, parsed_run, point_of
 from .extract import Program, run_programs
 from .fit import Run, fit_label
+from .switches import fit_structure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +39,7 @@ def load_runs(paths: list, accept_damaged: bool = False) -> list:
         rp = run_programs(path, ranks)
         programs = with_empty_phases(rp.programs, children)
         out.append(Run(_rel(path), sw, point, programs, children, [int(r.peak_bytes) for r in ranks],
-                       str(hdr.get("backend", "cpu")), hdr.get("device"), rp.firsts))
+                       str(hdr.get("backend", "cpu")), hdr.get("device"), rp.firsts, rp.positions))
     if not out:
         raise DatasetError("no plain (non-recompute) runs among the given directories")
     return out
@@ -74,19 +75,27 @@ def fit_runs(runs: list) -> list:
         cells += fit_label(phase, label, items)
     # The model's first layer also frees what only it holds (the embedding's output, the attention mask): its own
     # programs, for the labels where some run's first layer differs from the others
-    for phase, label in sorted(first_differs(runs)):
+    for phase, label in sorted(differs(runs, "firsts")):
         items = [(r, r.firsts[(phase, label)]) for r in runs if (phase, label) in r.firsts]
         for c in fit_label(phase, label, items):
             c.first = True
             cells.append(c)
+    # likewise the first and last of a label's repeated instances (a SequentialMLP's experts share tensors that
+    # one of them frees)
+    for phase, label, pos in sorted(differs(runs, "positions")):
+        items = [(r, r.positions[(phase, label, pos)]) for r in runs if (phase, label, pos) in r.positions]
+        for c in fit_label(phase, label, items):
+            c.instance = pos
+            cells.append(c)
     return cells
 
 
-def first_differs(runs: list) -> set:
+def differs(runs: list, attr: str) -> set:
+    """The keys of a run's `firsts` or `positions` whose program differs from the label's representative."""
     out = set()
     for r in runs:
-        for key, p in r.firsts.items():
-            q = r.programs.get(key)
+        for key, p in getattr(r, attr).items():
+            q = r.programs.get(key[:2])
             if q is None or p.compute != q.compute or p.workers != q.workers:
                 out.add(key)
     return out
@@ -94,7 +103,6 @@ def first_differs(runs: list) -> set:
 
 def documents(runs: list, cells: list, name: str, description: str) -> tuple:
     """(set document, provenance document)."""
-    from .switches import fit_structure
     failed = [(c, i, why) for c in cells for i, why in c.failed]
     if failed:
         c, i, why = failed[0]
@@ -104,7 +112,7 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
         "format": P.FORMAT, "version": P.VERSION, "name": name, "kind": "fitted",
         "description": description or (f"Allocation programs fitted from {len(runs)} traces ({', '.join(where)}); "
                                        f"recompute is composed from the plain layer, never fitted."),
-        "programs": [{"label": c.label, "phase": c.phase, **({"layer": "first"} if c.first else {}), "when": c.when,
+        "programs": [{"label": c.label, "phase": c.phase, **_qualifier(c), "when": c.when,
                       "runs": len(c.runs), "seen": c.seen,
                       "events": [P.format_event(op, terms, ref) for op, terms, ref in c.events]}
                      for c in cells],
@@ -119,16 +127,41 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
     notes = sorted({n for c in cells for n in c.notes})
     prov = {"set": name, "checksum": doc["checksum"],
             "traces": [{"path": r.path, "peaks": r.peaks, "backend": r.backend, "device": r.device} for r in runs],
-            "cells": [{"label": c.label, "phase": c.phase, **({"layer": "first"} if c.first else {}), "runs": c.runs}
+            "cells": [{"label": c.label, "phase": c.phase, **_qualifier(c), "runs": c.runs}
                       for c in cells],
             "notes": notes}
     return doc, prov
+
+
+def _qualifier(c) -> dict:
+    return {**({"layer": "first"} if c.first else {}), **({"instance": c.instance} if c.instance else {})}
 
 
 def traced_structures(runs: list) -> list:
     from estimator.compose import STRUCTURE_SWITCHES
     seen = {tuple((k, r.switches[k]) for k in STRUCTURE_SWITCHES if k in r.switches) for r in runs}
     return [dict(t) for t in sorted(seen, key=repr)]
+
+
+def measured_set(path: str):
+    """One run's own programs, sizes as constants (no fit), with its op structure, as a formula set the estimator
+    reads: replaying it checks the composition (the walk, recompute, pipeline boundaries) with nothing fitted."""
+    from estimator.formulas import from_dict
+    (run,) = load_runs([path])
+    cells = []
+    for first, programs in ((False, run.programs), (True, run.firsts), (False, run.positions)):
+        for key, prog in sorted(programs.items()):
+            phase, label = key[:2]
+            events = [P.format_event(e.op, None if e.ref.startswith(("#", "~")) and e.op in ("-", "-~")
+                                     else ((e.size, ()),) if e.size else (), e.ref) for e in prog.events()]
+            cells.append({"label": label, "phase": phase, **({"layer": "first"} if first else {}),
+                          **({"instance": key[2]} if len(key) == 3 else {}), "when": [{}],
+                          "runs": 1, "events": events})
+    doc = {"format": P.FORMAT, "version": P.VERSION, "name": "one-run", "kind": "fitted", "description": path,
+           "programs": cells, "structure": fit_structure([run]),
+           "backends": [run.backend], "traced": traced_structures([run])}
+    doc["checksum"] = P.content_checksum(doc)
+    return from_dict(doc, path)
 
 
 def check_runs(fset: P.ProgramSet, runs: list) -> dict:
@@ -139,9 +172,10 @@ def check_runs(fset: P.ProgramSet, runs: list) -> dict:
     `missed` otherwise (a run whose structure the set does not reproduce, named in the provenance notes)."""
     exact, bounded, missed = 0, [], []
     for r in runs:
-        for first, programs in ((False, r.programs), (True, r.firsts)):
-            for (phase, label), prog in programs.items():
-                cells, _ = fset.select(phase, label, r.switches, first)
+        for first, programs in ((False, r.programs), (True, r.firsts), (False, r.positions)):
+            for key, prog in programs.items():
+                phase, label = key[:2]
+                cells, _ = fset.select(phase, label, r.switches, first, key[2] if len(key) == 3 else None)
                 own = prog.delta_peak()
                 if not cells:
                     missed.append((r.path, phase, label, own, None))

@@ -105,6 +105,9 @@ class RunPrograms:
     path: str
     programs: dict = field(default_factory=dict)     # (phase, label) -> Program
     firsts: dict = field(default_factory=dict)       # (phase, label) -> Program at the model's first layer
+    # (phase, label, "first" | "last") -> Program of the first / last of a label's instances repeated within one call
+    # of their op (a SequentialMLP's local experts: the last frees in forward, the first in backward, what they share)
+    positions: dict = field(default_factory=dict)
 
 
 def rank_instances(pr, segs) -> list:
@@ -192,18 +195,37 @@ def run_programs(path: str, ranks: list) -> RunPrograms:
         instances = rank_instances(pr, segs)
         # the chunks that hold the embedding: their layer 0 is the model's first layer
         embedded = {(s.iteration, s.microbatch, s.chunk) for s in segs if s.label == "embedding"}
+        position = _sibling_positions(instances)
         for i, (s, compute, workers) in enumerate(instances):
             if later and s.iteration < 1:
                 continue
             inst.setdefault((s.phase, s.label), []).append((s, compute, workers))
             if (s.iteration, s.microbatch, s.chunk) in embedded and _at_first_layer(instances, i):
                 first.setdefault((s.phase, s.label), []).append((s, compute, workers))
+            if position[i] and (s.layer is None or s.layer >= 1):
+                first.setdefault((s.phase, s.label, position[i]), []).append((s, compute, workers))
     out = RunPrograms(path)
     for key, lst in inst.items():
         generic = [x for x in lst if x[0].layer is None or x[0].layer >= 1] or lst
         out.programs[key] = _representative(key, generic, len(lst))
     for key, lst in first.items():
-        out.firsts[key] = _representative(key, lst, len(lst))
+        (out.positions if len(key) == 3 else out.firsts)[key] = _representative(key, lst, len(lst))
+    return out
+
+
+def _sibling_positions(instances: list) -> list:
+    """Per instance, "first" or "last" where its label repeats within one call of its op (same iteration,
+    microbatch, chunk, layer and phase: a SequentialMLP's local experts), counted in forward order (a backward runs
+    them in reverse); None elsewhere."""
+    groups: dict = {}
+    for i, (s, _, _) in enumerate(instances):
+        groups.setdefault((s.iteration, s.microbatch, s.chunk, s.layer, s.phase, s.label), []).append(i)
+    out: list = [None] * len(instances)
+    for (*_, phase, label), idx in groups.items():
+        if len(idx) < 2 or not label.startswith("layers.") or "local_experts" not in label:
+            continue
+        order = idx if phase == "fwd" else idx[::-1]
+        out[order[0]], out[order[-1]] = "first", "last"
     return out
 
 

@@ -2,7 +2,7 @@
 
 For one (phase, label) the runs' representative programs (extract.py) are grouped by their event structure
 (kinds and local references). The switches that explain the grouping are searched among those that can change
-the label (fit.segment_fit.RELEVANT): the fewest whose values determine the structure on every run; each of their
+the label (fit/programs/switches.py RELEVANT): the fewest whose values determine the structure on every run; each of their
 value combinations seen is a cell. Each structure group's sizes are then solved event by event over all its runs
 (sizes.py), pooled across cells, so a cell with few runs is fitted on its neighbours' data where its sizes follow
 the same formulas. Where one event of a group has no exact formula over the pool, the group is split by the
@@ -33,6 +33,7 @@ class Run:
     backend: str
     device: str | None
     firsts: dict = field(default_factory=dict)   # (phase, label) -> extract.Program at the model's first layer
+    positions: dict = field(default_factory=dict)   # (phase, label, "first" | "last") -> extract.Program
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Cell:
     notes: list = field(default_factory=list)
     failed: list = field(default_factory=list)   # [(event index, reason)]: sizes no formula fits
     first: bool = False            # the program of the model's first layer (extract.run_programs `firsts`)
+    instance: str | None = None    # "first" | "last" of repeated sibling instances (extract `positions`)
 
 
 def relevant_switches(label: str, runs: list) -> list:
