@@ -5,8 +5,8 @@
 
 For every run under fit/traces/cpu_compose (real megatron-core runs on CPU, their full allocation stream traced)
 and every rank: the real stream (tracer.reserved.allocation_events) and the estimator's stream for the same
-config and pipeline stage (estimator.alloc_stream, with the `cpu_compose` formula set; `--set cpu_local --packed
-fit/traces/cpu_local` checks the per-op sets' path on their own runs) are both replayed through
+config and pipeline stage (estimator.alloc_stream, with the `cpu_compose` formula set; `--set modelled --packed
+fit/traces/cpu_local` checks the per-op path on those runs) are both replayed through
 the caching-allocator model (estimator.caching_allocator), under each allocator setting (--conf; default: the
 default settings and expandable_segments:True). Printed per run: allocated peak and modelled reserved peak of
 each stream and the error of the synthesized reserved against the real stream's. `--runs DIR ...` compares other
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", nargs="+", metavar="DIR", help="traced run directories instead of the packed runs")
     ap.add_argument("--set", default=SET, help=f"formula set of the estimate (default {SET})")
     ap.add_argument("--packed", default=PACKED, help="directory of packed runs (default fit/traces/cpu_compose; "
-                    "fit/traces/cpu_local with --set cpu_local checks the per-op path)")
+                    "fit/traces/cpu_local with --set modelled checks the per-op path)")
     ap.add_argument("--scale", type=int, nargs="+", default=[1, 4096], help="size multipliers (default 1 4096)")
     ap.add_argument("--conf", nargs="+", default=["", "expandable_segments:True"],
                     help="PYTORCH_CUDA_ALLOC_CONF settings to replay under ('' = defaults)")

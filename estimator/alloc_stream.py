@@ -35,6 +35,8 @@ model replaying their real streams is exact (benchmarks/gpu_validation.py), so t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from . import activations as A
 from . import schedule as S
 from .compose import ckpt_keeps, grad_due

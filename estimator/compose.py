@@ -332,8 +332,9 @@ def untraced_features(cfg, sw: dict, fset) -> list:
             for k, vals in sf.seen:
                 seen_values.setdefault(k, set()).update(vals)
         for cell in fset.programs.cells if fset.programs is not None else ():
-            for k, vals in cell.seen.items():
-                seen_values.setdefault(k, set()).update(vals)
+            for i in range(len(cell.when)):
+                for k, vals in cell.seen_of(i).items():
+                    seen_values.setdefault(k, set()).update(vals)
         # A set fitted before the kernel switches existed saw only the CPU kernels.
         for k, v in F.CPU_KERNELS.items():
             if k != "fuse_bda":     # recorded since program sets: a set without it never told it apart

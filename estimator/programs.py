@@ -52,21 +52,38 @@ class ProgramCell:
     label: str
     when: List[Dict[str, Any]]
     events: List[ProgramEvent]
-    seen: Dict[str, list] = field(default_factory=dict)
+    seen: Any = field(default_factory=dict)     # per `when` dict (a list) or for all of them (a dict): switch -> values
     runs: int = 0
     first: bool = False     # the model's first layer's program ("layer": "first"), which frees what only it holds
     instance: Optional[str] = None   # "first" | "last" of a label's repeated instances in one call (local experts)
 
     def matches(self, sw: Mapping[str, Any]) -> bool:
-        return any(all(sw.get(k) == v for k, v in cell.items()) for cell in self.when)
+        return self.entry(sw) is not None
+
+    def entry(self, sw: Mapping[str, Any]) -> Optional[int]:
+        """The index of the first `when` dict that sw matches, or None."""
+        for i, cell in enumerate(self.when):
+            if all(sw.get(k) == v for k, v in cell.items()):
+                return i
+        return None
+
+    def seen_of(self, i: int) -> Dict[str, list]:
+        return self.seen[i] if isinstance(self.seen, list) else self.seen
 
     def covers(self, sw: Mapping[str, Any]) -> bool:
-        """Every switch value of the config was among the cell's runs' (so the program was measured there)."""
-        return all(sw[k] in vals for k, vals in self.seen.items() if k in sw)
+        """The matching `when` dict's runs had every switch value of the config (so the program was measured
+        there)."""
+        i = self.entry(sw)
+        return i is not None and not self._uncovered(i, sw)
+
+    def _uncovered(self, i: int, sw: Mapping[str, Any]) -> int:
+        return sum(1 for k, vals in self.seen_of(i).items() if k in sw and sw[k] not in vals)
 
     def distance(self, sw: Mapping[str, Any]) -> int:
-        """Fewest switch values that differ from one of its cells."""
-        return min(sum(sw.get(k) != v for k, v in cell.items()) for cell in self.when)
+        """Fewest switch values of the config that one of its `when` dicts' runs did not have."""
+        return min(sum(sw.get(k) != v for k, v in cell.items())
+                   + sum(1 for k, vals in self.seen_of(i).items() if k in sw and k not in cell and sw[k] not in vals)
+                   for i, cell in enumerate(self.when))
 
     def signed(self, env: Mapping[str, float]) -> List[float]:
         """The events as signed byte counts at a config's variables."""
@@ -87,6 +104,9 @@ class ProgramCell:
             else:
                 out.append(-size)
         return out
+
+    def qualifier(self) -> str:
+        return "layer:first" if self.first else f"instance:{self.instance}" if self.instance else ""
 
     def evaluated(self, env: Mapping[str, float]) -> List[Tuple[str, float, str]]:
         """The events as (op, bytes, ref) at a config's variables (a local free with its allocation's bytes)."""
@@ -115,8 +135,7 @@ class ProgramSet:
 
     def __post_init__(self):
         for c in self.cells:
-            qualifier = ("layer:first",) if c.first else (f"instance:{c.instance}",) if c.instance else ()
-            self._by_key.setdefault((c.phase, c.label) + qualifier, []).append(c)
+            self._by_key.setdefault((c.phase, c.label) + ((c.qualifier(),) if c.qualifier() else ()), []).append(c)
 
     def labels(self) -> List[str]:
         return sorted({key[1] for key in self._by_key})
@@ -136,9 +155,10 @@ class ProgramSet:
             cells = [c for c in self._by_key.get((phase, label), []) if c.matches(sw)]
         return cells, bool(cells) and all(c.covers(sw) for c in cells)
 
-    def nearest(self, phase: str, label: str, sw: Mapping[str, Any]) -> List[ProgramCell]:
-        """The label's cells (not the first layer's) with the fewest switch values differing from sw."""
-        cells = self._by_key.get((phase, label), [])
+    def nearest(self, phase: str, label: str, sw: Mapping[str, Any], qualifier: tuple = ()) -> List[ProgramCell]:
+        """The label's cells (of the qualifier's group: the first layer's, an instance's, or the general ones)
+        with the fewest switch values their runs did not have."""
+        cells = self._by_key.get((phase, label) + qualifier, [])
         if not cells:
             return []
         d = [c.distance(sw) for c in cells]
@@ -146,9 +166,12 @@ class ProgramSet:
 
     def answer(self, phase: str, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False,
                instance: Optional[str] = None) -> Tuple[Optional[ProgramCell], Tuple[float, float], bool]:
-        """(the program taken for the label's phase, its (delta, peak) at env, measured). Among alternatives or
-        the nearest cells, the one whose replay peaks highest (then the largest delta): a bound that errs high.
-        (None, (0, 0), True) where the label never has that phase."""
+        """(the program taken for the label's phase, its (delta, peak) at env, measured: the matching cell's runs had
+        each of the config's switch values). Among alternatives, or where no cell matches among the nearest cells,
+        the one whose replay peaks highest (then the largest delta): a bound that errs high. A matching cell whose
+        runs lacked a value still answers (its structure is the config's: other cells' programs, mixed label by
+        label, would not free what they allocate), counted as not measured. (None, (0, 0), True) where the label
+        never has that phase."""
         cells, measured = self.select(phase, label, sw, first, instance)
         if not cells:
             cells = self.nearest(phase, label, sw)
@@ -294,7 +317,11 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
             raise ProgramError(f"{where}: 'when' must be a non-empty list of switch dicts")
         events = [parse_event(e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
         _check_refs(events, where)
-        cells.append(ProgramCell(raw["phase"], raw["label"], when, events, raw.get("seen") or {},
+        seen = raw.get("seen") or {}
+        if isinstance(seen, list) and (len(seen) != len(when) or not all(isinstance(x, dict) for x in seen)) or \
+                not isinstance(seen, (list, dict)):
+            raise ProgramError(f"{where}: 'seen' must be a switch dict, or one per 'when' dict")
+        cells.append(ProgramCell(raw["phase"], raw["label"], when, events, seen,
                                  int(raw.get("runs") or 0), raw.get("layer") == "first", raw.get("instance")))
     backends, traced = doc.get("backends") or [], doc.get("traced") or []
     if not isinstance(backends, list) or not isinstance(traced, list) or \

@@ -44,7 +44,7 @@ class Cell:
     when: list                     # [{switch: value}], the cells; [{}] = any
     events: list                   # [(op, size terms, ref)]
     runs: list                     # Run paths
-    seen: dict                     # switch -> sorted values its runs had (relevant switches only)
+    seen: list                     # per `when` dict: switch -> sorted values its runs had (relevant switches only)
     notes: list = field(default_factory=list)
     failed: list = field(default_factory=list)   # [(event index, reason)]: sizes no formula fits
     first: bool = False            # the program of the model's first layer (extract.run_programs `firsts`)
@@ -154,17 +154,18 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
         parted = _split(phase, label, members, split, keys, notes, depth)
         if parted is not None:
             return parted
-    when = []
+    by_cell: dict = {}     # each `when` dict -> the runs that make it (its own seen values)
     for r, _, path in members:
         cell = dict(path)
         cell.update({k: r.switches.get(k) for k in split})
-        if cell not in when:
-            when.append(cell)
-    when.sort(key=lambda c: repr(sorted(c.items())))
+        by_cell.setdefault(repr(sorted(cell.items())), (cell, []))[1].append(r)
+    order = sorted(by_cell)
+    when = [by_cell[k][0] for k in order]
+    seen = [_seen(label, by_cell[k][1]) for k in order]
     reasons = [(i, "no sum of at most three candidate monomials reproduces its sizes on the "
                 f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].size}" for j in range(min(4, len(progs)))))
                for i in failed]
-    return [Cell(phase, label, when, events, [r.path for r in runs], _seen(label, runs), list(notes), reasons)]
+    return [Cell(phase, label, when, events, [r.path for r in runs], seen, list(notes), reasons)]
 
 
 def _split(phase, label, members, split, keys, notes, depth):
