@@ -94,7 +94,9 @@ class ProgramCell:
             if ev.terms is None:
                 out.append(-(allocs[int(ev.ref[1:])] if ev.op == "-" else workers[ev.ref]))
                 continue
-            size = value(ev.terms, env)
+            # a tensor has no negative size: a formula fitted on a few runs (a kernel's block-rounded workspace) can
+            # go below zero far from them
+            size = max(value(ev.terms, env), 0.0)
             if ev.op == "+":
                 allocs.append(size)
                 out.append(size)

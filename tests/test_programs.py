@@ -221,3 +221,21 @@ def test_gpu_traces_fit_exactly():
     doc, prov = documents(runs, fit_runs(runs), "gpu", "")
     report = check_runs(P.from_dict(doc), runs)
     assert report["exact"] > 5000 and not report["missed"] and not report["bounded"]
+
+
+def test_a_size_below_zero_is_clamped_and_the_fit_names_such_sizes():
+    """A size fitted exactly on a few runs with a negative term can go below zero far from them: the estimate
+    takes 0 bytes for it, and the provenance lists every such size of the shipped sets."""
+    doc = {"format": P.FORMAT, "version": P.VERSION, "name": "x", "programs": [
+        {"label": "l", "phase": "fwd", "when": [{}], "events": ["+ 90*e-22*e*b", "+ e*s", "- #0"]}]}
+    doc["checksum"] = P.content_checksum(doc)
+    (cell,) = P.from_dict(doc).cells
+    assert cell.signed({"e": 2, "b": 8, "s": 16}) == [0.0, 32.0, -0.0]
+    for name in ("cpu_compose", "gpu_h100"):
+        with open(os.path.join(ROOT, "fit", "sets", f"{name}.provenance.json"), encoding="utf-8") as fh:
+            listed = json.load(fh)["negative_terms"]
+        with open(os.path.join(ROOT, "fit", "sets", f"{name}.json"), encoding="utf-8") as fh:
+            shipped = json.load(fh)
+        negative = [e for c in shipped["programs"] for e in c["events"]
+                    if e.startswith("+") and "-" in e.split()[1]]
+        assert len(listed) == len(negative)

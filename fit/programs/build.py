@@ -129,7 +129,12 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
             "traces": [{"path": r.path, "peaks": r.peaks, "backend": r.backend, "device": r.device} for r in runs],
             "cells": [{"label": c.label, "phase": c.phase, **_qualifier(c), "runs": c.runs}
                       for c in cells],
-            "notes": notes}
+            "notes": notes,
+            # allocations whose exact fit over few runs has a negative term (a kernel's block-rounded workspace
+            # fits a sum by coincidence): it may go wrong far from those runs; the estimator clamps a size at 0
+            "negative_terms": [f"{c.phase} {c.label} event {i}: {P.format_size(terms)} ({len(c.runs)} runs)"
+                               for c in cells for i, (op, terms, _) in enumerate(c.events)
+                               if op in ("+", "+~") and terms and any(coef < 0 for coef, _ in terms)]}
     return doc, prov
 
 
