@@ -25,21 +25,25 @@ if ROOT not in sys.path:
 DEFAULT_DIRS = [os.path.join(ROOT, "fit", "traces", d) for d in ("cpu_compose", "cpu_recompute_twins")]
 
 
-def run_error(path: str, fset) -> tuple:
-    """(largest relative error over ranks, recompute) of one packed run."""
+def rank_peaks(path: str, fset) -> tuple:
+    """(predicted peak per rank, the run's own allocator peak per rank, its argv) of one packed run."""
     from estimator.memory import estimate
     from fit.dataset import traced_config
     cfg, hdr, argv = traced_config(path)
     world = int(hdr.get("world_size", 1))
-    est = estimate(cfg, fset, device="cpu")
-    errs = []
+    measured = []
     for r in range(world):
         with open(os.path.join(path, f"rank{r}.json"), encoding="utf-8") as fh:
-            measured = json.load(fh)["allocator_peak_bytes"]
-        predicted = est.ranks[min(r, len(est.ranks) - 1)].peak_bytes
-        errs.append((predicted - measured) / measured)
-    recompute = any(a.startswith("--recompute") for a in argv)
-    return max(errs, key=abs), recompute
+            measured.append(json.load(fh)["allocator_peak_bytes"])
+    est = estimate(cfg, fset, device="cpu")
+    return [est.ranks[min(r, len(est.ranks) - 1)].peak_bytes for r in range(world)], measured, argv
+
+
+def run_error(path: str, fset) -> tuple:
+    """(largest relative error over ranks, recompute) of one packed run."""
+    predicted, measured, argv = rank_peaks(path, fset)
+    errs = [(p - m) / m for p, m in zip(predicted, measured)]
+    return max(errs, key=abs), any(a.startswith("--recompute") for a in argv)
 
 
 def main(argv=None) -> int:

@@ -263,7 +263,7 @@ def _composed(items: list, h: float, cache) -> list:
             out.append(("ckpt", _composed(it[1], h, cache), *it[2:]))
         else:
             fd, fp, bd, bp = it[1][:4]
-            events = cache.events(it[1]) if hasattr(cache, "events") else None
+            events = cache.events(it[1])
             if events is not None:      # a program set: the segment's own tensors, in order
                 out.append(("prog", fd, fp, bd, bp, events))
                 continue
@@ -304,13 +304,10 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
     for it in reversed(prog):
         if it[0] != "ckpt":
             above_retains = False
-        if it[0] == "prog":
-            stack.play(it[5][1])
-            due = grad_due(hold)
-            if due:
-                hold.append(stack.st.alloc(due))
-        elif it[0] == "seg":
-            if len(it) > 5:
+        if it[0] in ("prog", "seg"):
+            if it[0] == "prog":
+                stack.play(it[5][1])
+            elif len(it) > 5:
                 stack.move(it[3], it[4], it[5][2], it[5][3])
             else:
                 stack.move(it[3], it[4])

@@ -97,14 +97,16 @@ class ComposedCache:
                instance: str | None = None) -> tuple:
         """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label under switches sw; `tokens`: the factor
         on its routed tokens (estimator.moe_tokens), applied to k; `first`: at the model's first layer (a program
-        set may hold that layer's own programs; a composed set has none)."""
-        key = (label, sw["moe"], sw["recompute"], tokens)
+        set may hold that layer's own programs; a composed set has none); `instance`: "first" | "last" of a label's
+        repeated instances (likewise)."""
+        key = (label, sw["moe"], sw["recompute"], tokens, first, instance)
         hit = self._values.get(key)
         if hit is None:
-            hit = self._values[key] = self._evaluate(label, sw, tokens)
+            hit = self._values[key] = self._evaluate(label, sw, tokens, first, instance)
         return hit
 
-    def _evaluate(self, label: str, sw: dict, tokens: float = 1.0) -> tuple:
+    def _evaluate(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False,
+                  instance: str | None = None) -> tuple:
         """Each quantity from the label's most specific entry that gives it and matches sw, measured where the
         entry's runs had the config's switch values; else extrapolated: the largest value among the determined
         entries nearest the config's switches (fewest `when` values differing from it)."""
@@ -136,10 +138,9 @@ class ComposedCache:
         self._parts[id(out)] = (out, terms, env)   # evaluated by parts(), which only the reserved model asks
         return out
 
-    def answering(self, label: str, i: int, sw: dict):
-        """The entry whose formula gives quantity i of the label under sw (what _evaluate takes), or None where the
-        value is extrapolated or the label never has that phase (fit/unfitted.py checks a set through it)."""
-        return _answering([sf for sf in self._by_label.get(label, []) if sf.quantities[i] is not F.NOT_GIVEN], i, sw)
+    def events(self, values: tuple):
+        """A segment's allocation events (program sets: estimator.program_cache); a composed set has none."""
+        return None
 
     def parts(self, values: tuple) -> tuple:
         """Each of a segment's four quantities (`values` as sequence() items hold them) as tensor sizes taken from
@@ -260,8 +261,7 @@ class ComposedCache:
             # one local expert's segments take its share; the rest of the expert side the rank's
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
         first = first or (layer == 0 and self._first_chunk)
-        out.append((label, self.values(label, sw, tokens, first, instance) if first or instance
-                    else self.values(label, sw, tokens), op or label, layer))
+        out.append((label, self.values(label, sw, tokens, first, instance), op or label, layer))
 
 
 def _after_mlp(items: list) -> int:

@@ -21,15 +21,7 @@ class ProgramCache(ComposedCache):
         super().__init__(fset, cfg)
         self.programs = fset.programs
         self._by_label = {label: True for label in self.programs.labels()}
-        self._events: dict = {}    # id(values) -> (values, fwd signed events, bwd signed events)
-
-    def values(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False,
-               instance: str | None = None) -> tuple:
-        key = (label, sw["moe"], sw["recompute"], tokens, first, instance)
-        hit = self._values.get(key)
-        if hit is None:
-            hit = self._values[key] = self._evaluate(label, sw, tokens, first, instance)
-        return hit
+        self._events: dict = {}    # id(values) -> (values, (fwd, bwd) cells, env), then (values, (fwd, bwd) events)
 
     def _evaluate(self, label: str, sw: dict, tokens: float = 1.0, first: bool = False,
                   instance: str | None = None) -> tuple:
@@ -38,20 +30,16 @@ class ProgramCache(ComposedCache):
         (fewest differing switch values), extrapolated."""
         env = self.env if tokens == 1.0 else ChainMap({"k": self.env["k"] * tokens}, self.env)
         out: list = []
-        events: list = []
+        cells: list = []
         measured = True
         for phase in ("fwd", "bwd"):
             cell, dp, ok = self.programs.answer(phase, label, sw, env, first, instance)
             out += list(dp)
             measured = measured and ok
-            events.append(cell.evaluated(env) if cell is not None else [])
+            cells.append(cell)
         values = (*out, measured)
-        self._events[id(values)] = (values, events[0], events[1])
+        self._events[id(values)] = (values, cells, env)    # evaluated by events(), which only the reserved model asks
         return values
-
-    def answering(self, label: str, i: int, sw: dict):
-        cells, ok = self.programs.select("fwd" if i < 2 else "bwd", label, sw)
-        return cells[0] if ok and len(cells) == 1 else None
 
     def events(self, values: tuple):
         """(forward, backward) events [(op, bytes, ref)] of the programs behind `values` (what values() returned),
@@ -59,7 +47,10 @@ class ProgramCache(ComposedCache):
         hit = self._events.get(id(values))
         if hit is None or hit[0] is not values:
             return None
-        return hit[1], hit[2]
+        if len(hit) == 3:   # first ask: evaluate once
+            hit = self._events[id(values)] = (values, tuple(c.evaluated(hit[2]) if c is not None else []
+                                                            for c in hit[1]))
+        return hit[1]
 
     def parts(self, values: tuple) -> tuple:
         return (None,) * 4

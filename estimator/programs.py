@@ -185,17 +185,6 @@ class ProgramSet:
         (dp, i) = max(scored, key=lambda x: (x[0][1], x[0][0], -x[1]))
         return cells[i], dp, measured
 
-    def values(self, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False,
-               instance: Optional[str] = None) -> Tuple[float, float, float, float, bool]:
-        """(fwd_delta, fwd_peak, bwd_delta, bwd_peak, measured) of a label: its programs replayed at env."""
-        out: List[float] = []
-        measured = True
-        for phase in ("fwd", "bwd"):
-            _, dp, ok = self.answer(phase, label, sw, env, first, instance)
-            out += list(dp)
-            measured = measured and ok
-        return (*out, measured)
-
 
 # ---------------------------------------------------------------- text <-> terms
 

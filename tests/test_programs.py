@@ -151,20 +151,6 @@ def test_cli_bad_input_one_line(tmp_path):
 
 # ---- the estimator's engine on program sets (estimator.program_cache)
 
-def _peaks(path: str, fset) -> tuple:
-    """(predicted rank peaks, the run's own allocator peaks) of a packed CPU run under formula set fset."""
-    from estimator.memory import estimate
-    from fit.dataset import traced_config
-    cfg, hdr, _ = traced_config(path)
-    world = int(hdr.get("world_size", 1))
-    measured = []
-    for r in range(world):
-        with open(os.path.join(path, f"rank{r}.json"), encoding="utf-8") as fh:
-            measured.append(json.load(fh)["allocator_peak_bytes"])
-    est = estimate(cfg, fset, device="cpu")
-    return [est.ranks[min(r, len(est.ranks) - 1)].peak_bytes for r in range(world)], measured
-
-
 @pytest.mark.parametrize("name", [
     "gpt_base_s64_b2_h64_a4", "llama_bf16_s48_b2_h64_a4", "llama_tp2sp_s48_b3_h128_a8",
     # recompute is never fitted: composed from the plain layer's programs, so these runs are held out
@@ -176,7 +162,9 @@ def test_estimate_from_the_shipped_program_set_matches_the_run(name):
     path = os.path.join(TRACES, name)
     fset = F.load(SHIPPED)
     assert fset.programs is not None
-    predicted, measured = _peaks(path, fset)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from packed_runs import rank_peaks
+    predicted, measured, _ = rank_peaks(path, fset)
     for p, m in zip(predicted, measured):
         assert -0.002 <= (p - m) / m <= 0.002, (name, p, m)
 

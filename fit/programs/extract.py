@@ -189,6 +189,7 @@ def run_programs(path: str, ranks: list) -> RunPrograms:
     from tracer.segments import rank_segments
     inst: dict = {}
     first: dict = {}
+    positioned: dict = {}
     for pr in ranks:
         segs = rank_segments(pr)
         later = any(s.iteration >= 1 for s in segs)
@@ -203,13 +204,15 @@ def run_programs(path: str, ranks: list) -> RunPrograms:
             if (s.iteration, s.microbatch, s.chunk) in embedded and _at_first_layer(instances, i):
                 first.setdefault((s.phase, s.label), []).append((s, compute, workers))
             if position[i] and (s.layer is None or s.layer >= 1):
-                first.setdefault((s.phase, s.label, position[i]), []).append((s, compute, workers))
+                positioned.setdefault((s.phase, s.label, position[i]), []).append((s, compute, workers))
     out = RunPrograms(path)
     for key, lst in inst.items():
         generic = [x for x in lst if x[0].layer is None or x[0].layer >= 1] or lst
         out.programs[key] = _representative(key, generic, len(lst))
     for key, lst in first.items():
-        (out.positions if len(key) == 3 else out.firsts)[key] = _representative(key, lst, len(lst))
+        out.firsts[key] = _representative(key, lst, len(lst))
+    for key, lst in positioned.items():
+        out.positions[key] = _representative(key, lst, len(lst))
     return out
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .extract import FREE, WORKER_FREE, widest
 from .sizes import SizeSolver
+from .switches import ORDER, relevant
 
 
 
@@ -52,7 +53,6 @@ class Cell:
 
 
 def relevant_switches(label: str, runs: list) -> list:
-    from .switches import ORDER, relevant
     keys = [k for k in ORDER if relevant(label, k)]
     return [k for k in keys if len({r.switches.get(k) for r in runs}) > 1]
 
@@ -192,7 +192,6 @@ def _common_ref(progs: list, i: int) -> str:
 
 
 def _seen(label: str, runs: list) -> dict:
-    from .switches import ORDER, relevant
     out = {}
     for k in ORDER:
         if relevant(label, k):
