@@ -12,7 +12,9 @@ from __future__ import annotations
 from estimator._record import dataclass, field
 
 from . import formulas as F
-from . import fp8, fused_softmax, moe_router, moe_tokens, offload
+from . import moe_tokens, transforms
+# The feature modules register their transforms (estimator.transforms) on import.
+from . import fp8, fused_softmax, moe_router, offload, qk_norm, residual  # noqa: F401
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",
@@ -130,11 +132,9 @@ class LayerCache:
                 # buffers too: their k terms scale like the expert side's.
                 rows = [self._routed_row(r, sw) if moe_tokens.routed(r[0]) or r[0] == LAYER_OP else r for r in rows]
             # Modelled features that change a layer's saved bytes beyond the formula set's switches.
-            extra = [fp8.layer_row(self.cfg, self.env, moe) if fp8.active(self.cfg) else None,
-                     moe_router.layer_row(self.cfg, self.env, moe),
-                     fused_softmax.layer_row(self.cfg, self.env, self.fset.kind == "modelled")]
-            if any(extra):
-                rows = list(rows) + [r for r in extra if r]
+            extra = transforms.layer_rows(self.cfg, self.env, moe, self.fset.kind == "modelled")
+            if extra:
+                rows = list(rows) + extra
             self._cache[key] = rows
             fo = F.select(self.fset, LAYER_OP, sw)
             self.bwd_points[key] = fo is not None and any(
@@ -221,7 +221,80 @@ def _composed_chunk(cache, moe_flags, first: bool, last: bool, recv_input: bool)
     acts = fold_chunk(units)
     if again is not None:
         acts.bwd_again = fold_chunk(units[:-1] + [(saved - h, saved - h, fwd, again + h, rows)]).bwd_extra
-    return acts, per_op_bytes(units)
+    per_op = per_op_bytes(units)
+    diff = untraced_difference(cache, moe_flags, first, last, recv_input)
+    if diff is not None:
+        name, ds, df, db = diff
+        again = None if acts.bwd_again is None else max(acts.bwd_again + db, 0.0)
+        acts = ChunkActivations(acts.saved + ds, max(acts.fwd_extra + df, acts.saved + ds),
+                                max(acts.bwd_extra + db, 0.0), again)
+        per_op[name] = {"saved": ds, "fwd_peak": max(df, 0.0), "bwd_peak": max(db, 0.0), "count": 1}
+    return acts, per_op
+
+
+# Switches that pick a kernel inside an unchanged op structure (a fused or unfused path): a set that traced one
+# value answers another from it, and the modelled set says what the other changes. (A structural switch -- TP,
+# SP, MoE, the spec, the attention backend -- changes the ops themselves: no difference carries over.)
+KERNEL_SWITCHES = ("fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_bda", "fuse_ce")
+
+
+def untraced_switches(cache) -> dict:
+    """The config's kernel switch values that the set never traced, where it traced exactly one value of that
+    switch (so every segment it answered came from that value): {switch: (config's value, traced value)}."""
+    seen = cache.fset._cache.get("seen switch values") or {}
+    out = {}
+    for item in cache.untraced:
+        k, _, v = item.partition("=")
+        if k in KERNEL_SWITCHES and len(seen.get(k, ())) == 1 and cache.sw.get(k) == _typed(k, v):
+            out[k] = (cache.sw[k], next(iter(seen[k])))
+    return out
+
+
+def _typed(k: str, v: str):
+    """A switch value as untraced_features printed it, back in its type."""
+    return next((x for x in F.SWITCHES[k] if str(x) == v), v)
+
+
+def untraced_difference(cache, moe_flags, first: bool, last: bool, recv_input: bool):
+    """(row name, saved, forward, backward) to add to a chunk of a fitted set for kernel switch values the set never
+    traced (untraced_switches), so such a feature still changes the estimate (modelled, and said so): per switch,
+    the modelled set's chunk with the config's value against the same chunk with the traced one. Saved bytes move
+    by the chunk's difference; each transient by the larger of the chunk's difference and the largest difference of
+    one op's transient (the op may not set the chunk's peak in the modelled set and still set it here: errs high).
+    None where no switch makes a difference."""
+    key = ("untraced difference", tuple(moe_flags), first, last, recv_input)
+    hit = cache._values.get(key, False)
+    if hit is not False:
+        return hit
+    hit = None
+    if cache.fset.kind != "modelled":
+        total, names = [0.0, 0.0, 0.0], []
+        for k, (value, traced) in sorted(untraced_switches(cache).items()):
+            diff = _modelled_difference(cache.cfg, {k: value}, {k: traced}, moe_flags, first, last, recv_input)
+            if any(diff):
+                names.append(f"{k}={value}")
+                total = [x + y for x, y in zip(total, diff)]
+        if names:
+            cache.modelled_difference.update(names)
+            hit = ("untraced " + ", ".join(names) + " (modelled difference)", *total)
+    cache._values[key] = hit
+    return hit
+
+
+def _modelled_difference(cfg, config_sw: dict, traced_sw: dict, moe_flags, first, last, recv_input) -> tuple:
+    model = F.load("modelled")
+    acts, ops = [], []
+    for values in (config_sw, traced_sw):
+        lc = LayerCache(model, cfg)
+        lc.sw = dict(lc.sw, **values)
+        units = chunk_units(lc, moe_flags, first, last, recv_input)[0]
+        acts.append(fold_chunk(units))
+        ops.append(per_op_bytes(units))
+    (a, b), (pa, pb) = acts, ops
+    zero = {"fwd_peak": 0.0, "bwd_peak": 0.0}
+    op_f = max((row["fwd_peak"] - pb.get(op, zero)["fwd_peak"] for op, row in pa.items()), default=0.0)
+    op_b = max((row["bwd_peak"] - pb.get(op, zero)["bwd_peak"] for op, row in pa.items()), default=0.0)
+    return a.saved - b.saved, max(a.fwd_extra - b.fwd_extra, op_f), max(a.bwd_extra - b.bwd_extra, op_b)
 
 
 def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool, last: bool,
@@ -237,7 +310,7 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
     # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
     acts = fold_chunk(units)
-    relief = offload.activation_relief(cache.cfg, layer_kept)
+    relief = transforms.chunk_relief(cache.cfg, layer_kept)
     if relief:
         # Offloaded layers leave the GPU during the forward: the saved level and the forward peak (reached at its
         # end) drop by what left; the backward's transient above the level is unchanged.

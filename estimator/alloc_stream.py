@@ -8,10 +8,11 @@ What becomes a tensor (megatron-core 0.16.1, checked in its code):
 - optimizer: fp32 master copies per parameter (or per shard with the distributed optimizer) at construction when
   the parameters are 16-bit; Adam's exp_avg / exp_avg_sq (SGD's momentum) per parameter or shard, created by the
   first step (torch creates optimizer state lazily), in the step's parameter order
-  (static_memory.optimizer_groups); 16-bit grads' fp32 copies with them; what the per-parameter split does not
-  cover (fp8 weights, sharded data parallelism, a distributed-optimizer shard rounding) is one more tensor;
-- the optimizer step's transient: torch AdamW's per-parameter temporaries (two of a parameter's size while the
-  previous parameter's denominator is alive) on the local spec, one block otherwise;
+  (static_memory.optimizer_groups); what the per-parameter split does not cover (fp8 weights, sharded data
+  parallelism, a distributed-optimizer shard rounding) is one more tensor;
+- the optimizer step's transient: the fp32 copies of 16-bit gradients (one per parameter or shard, freed after
+  the step), then torch AdamW's per-parameter temporaries (two of a parameter's size while the previous
+  parameter's denominator is alive) on the local spec, one block otherwise;
 - activations, per microbatch and model chunk: each segment of the composed walk allocates its saved bytes as
   one tensor per term of its formula (compose.term_tensors; one tensor where a term is negative or the value
   extrapolated; each op of a per-op set likewise, from its selected formula), and its transient above them as
@@ -47,12 +48,21 @@ ITERATIONS = 2
 
 
 class Stream:
-    """Events ("a", id, bytes) / ("f", id), the input of caching_allocator.replay."""
-    __slots__ = ("events", "_n")
+    """Events ("a", id, bytes) / ("f", id), the input of caching_allocator.replay. labelled: also keep what each
+    tensor is (`tags`: id -> the `tag` set when it was allocated: a category or a segment's label), for a memory
+    snapshot (estimator.snapshot)."""
+    __slots__ = ("events", "_n", "tag", "tags", "marks")
 
-    def __init__(self):
+    def __init__(self, labelled: bool = False):
         self.events: list = []
         self._n = 0
+        self.tag = "other"
+        self.tags: Optional[dict] = {} if labelled else None
+        self.marks: Optional[list] = [] if labelled else None   # (event index, phase) where a phase starts
+
+    def mark(self, phase: str) -> None:
+        if self.marks is not None:
+            self.marks.append((len(self.events), phase))
 
     def alloc(self, nbytes) -> Optional[int]:
         n = int(-(-nbytes // 1)) if nbytes > 0 else 0
@@ -60,6 +70,8 @@ class Stream:
             return None
         self._n += 1
         self.events.append(("a", self._n, n))
+        if self.tags is not None:
+            self.tags[self._n] = self.tag
         return self._n
 
     def free(self, i: Optional[int]) -> None:
@@ -265,7 +277,7 @@ def _composed(items: list, h: float, cache) -> list:
             fd, fp, bd, bp = it[1][:4]
             events = cache.events(it[1])
             if events is not None:      # a program set: the segment's own tensors, in order
-                out.append(("prog", fd, fp, bd, bp, events))
+                out.append(("prog", fd, fp, bd, bp, events, it[0]))
                 continue
             parts = cache.parts(it[1])
             if any(parts):
@@ -282,8 +294,10 @@ def _composed(items: list, h: float, cache) -> list:
 def _forward(prog: list, stack: _Stack) -> None:
     for it in prog:
         if it[0] == "prog":
+            stack.st.tag = it[6]
             stack.play(it[5][0])
         elif it[0] == "seg":
+            stack.st.tag = "activations"
             if len(it) > 5:
                 stack.move(it[1], it[2], it[5][0], it[5][1])
             else:
@@ -306,6 +320,7 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             above_retains = False
         if it[0] in ("prog", "seg"):
             if it[0] == "prog":
+                stack.st.tag = it[6] + " (backward)"
                 stack.play(it[5][1])
             elif len(it) > 5:
                 stack.move(it[3], it[4], it[5][2], it[5][3])
@@ -346,7 +361,9 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
     """Weights, DDP buffers and optimizer master copies as built at start-up; returns the bytes allocated."""
     from . import sharding
     if sharding.active(cfg):   # sharded data parallelism: its own buffers (estimator.sharding), one block each
+        st.tag = "parameters"
         st.alloc(static.weights_bytes)
+        st.tag = "gradients"
         st.alloc(static.grad_buffer_bytes)
         return static.weights_bytes + static.grad_buffer_bytes
     pd, gd = precision(cfg)
@@ -354,6 +371,7 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
     dist_opt, dp_dense, dp_expert, bucket = dp_layout(cfg)
     total = 0
     weights = []
+    st.tag = "parameters"
     for chunk in chunks:
         ids = [(st.alloc(p[0] * pb), bool(p[1])) for p in chunk]
         weights.append(ids)
@@ -365,8 +383,10 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
             if not numels:
                 continue
             if dist_opt:   # the param buffer, then the parameters move into it
+                st.tag = "parameters"
                 st.alloc(lay.numel * pb)
                 total += lay.numel * pb - sum(numels) * pb
+            st.tag = "gradients"
             st.alloc(lay.numel * gb)
             total += lay.numel * gb
             if dist_opt:
@@ -374,6 +394,7 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
                     if e == is_exp:
                         st.free(i)
     if pd != "fp32":   # fp32 master copies, made by the optimizer's constructor (those on the GPU: offload)
+        st.tag = "optimizer states"
         budget = static.optimizer_bytes
         for n in _step_order(cfg, chunks, pp_rank):
             if 4 * n <= budget:
@@ -392,9 +413,9 @@ def _step_order(cfg, chunks, pp_rank) -> list:
 
 def _first_step_state(cfg, st: Stream, chunks, pp_rank: int, remaining: int) -> None:
     """Optimizer state created by the first step, and what the per-parameter split does not cover."""
-    pd, gd = precision(cfg)
     opt = _g(cfg, "optimizer", "adam")
-    per = (2 if opt == "adam" else (1 if _g(cfg, "sgd_momentum", 0.9) else 0)) + (1 if gd != "fp32" else 0)
+    per = 2 if opt == "adam" else (1 if _g(cfg, "sgd_momentum", 0.9) else 0)
+    st.tag = "optimizer states"
     for n in _step_order(cfg, chunks, pp_rank):
         for _ in range(per):
             if remaining >= 4 * n:
@@ -406,9 +427,25 @@ def _first_step_state(cfg, st: Stream, chunks, pp_rank: int, remaining: int) -> 
 
 def _step_transient(cfg, st: Stream, chunks, pp_rank: int, static) -> None:
     """The optimizer step's temporaries as static_memory.adam_step says the step runs: torch AdamW's per parameter
-    (single-tensor) or per parameter group (foreach), else one block."""
+    (single-tensor) or per parameter group (foreach), else one block; first the fp32 copies of 16-bit gradients
+    (one per parameter or shard, in step order), freed after it (by the next zero_grad)."""
+    st.tag = "optimizer step"
+    copy_bytes = static.optimizer_detail.get("fp32_grad_copy_bytes", 0)
+    copies, budget = [], copy_bytes
+    if budget:
+        for n in _step_order(cfg, chunks, pp_rank):
+            if 4 * n <= budget:
+                copies.append(st.alloc(4 * n))
+                budget -= 4 * n
+        copies.append(st.alloc(budget))     # what the per-parameter split does not cover
+    _update_temporaries(cfg, st, chunks, pp_rank, static, static.optimizer_step_transient_bytes - copy_bytes)
+    for i in copies:
+        st.free(i)
+
+
+def _update_temporaries(cfg, st: Stream, chunks, pp_rank: int, static, fused_bytes: float) -> None:
     if static.optimizer_step not in ("single", "foreach"):
-        st.spike(static.optimizer_step_transient_bytes)
+        st.spike(fused_bytes)
         return
     groups = optimizer_groups(chunks, *dp_layout(cfg), pp_rank)
     if static.optimizer_step == "foreach":   # torch._foreach_sqrt over a whole group, freed when the group is done
@@ -439,19 +476,24 @@ def replayed_microbatches(M: int, group: int) -> int:
 
 
 def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: float = 0.0,
-                 iterations: int = ITERATIONS, attn_buffer: float = 0.0, runtime: tuple = ()) -> Stream:
+                 iterations: int = ITERATIONS, attn_buffer: float = 0.0, runtime: tuple = (),
+                 labelled: bool = False) -> Stream:
     """The allocation stream of one pipeline stage (module docstring). static: the stage's StaticMemory;
     base_extra: other persistent bytes from start-up (userbuffers); attn_buffer: allocated by the first forward;
-    runtime: the GPU runtime buffers' sizes (runtime_tensors), persistent from start-up."""
+    runtime: the GPU runtime buffers' sizes (runtime_tensors), persistent from start-up; labelled: the stream
+    keeps what each tensor is (Stream.tags)."""
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     vp_arg = vpp if vpp > 1 else None
     group = getattr(cfg, "microbatch_group_size_per_vp_stage", None) or pp
     # 1F1B keeps up to pp microbatches in flight, the interleaved schedule works in groups: a group of pp.
     M = replayed_microbatches(cfg.num_microbatches, group if pp > 1 else 1)
-    st = Stream()
+    st = Stream(labelled)
+    st.mark("start-up")
     made = _init_static(cfg, st, stage_chunks, pp_rank, static)
+    st.tag = "other"
     st.alloc(base_extra)
+    st.tag = "gpu runtime"
     for nbytes in runtime:
         st.alloc(nbytes)
     progs = []
@@ -467,6 +509,7 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
     held: list = []   # live p2p tensors
 
     def p2p_to(n: int) -> None:
+        st.tag = "pipeline p2p"
         while len(held) < n:
             held.append(st.alloc(p2p))
         while len(held) > n:
@@ -475,8 +518,10 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
     for it in range(iterations):
         stacks: dict = {}
         for i, (kind, mb, c) in enumerate(steps):
+            st.mark(kind)
             p2p_to(counts[i])
             if it == 0 and i == 0:
+                st.tag = "attention buffer"
                 st.alloc(attn_buffer)
             if kind == "F":
                 stack = stacks[(mb, c)] = _Stack(st)
@@ -486,6 +531,7 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
                 _backward(progs[c], stack)
                 stack.clear()
         p2p_to(end)
+        st.mark("optimizer")
         if it == 0:
             _first_step_state(cfg, st, stage_chunks, pp_rank, static.total_bytes - made)
         _step_transient(cfg, st, stage_chunks, pp_rank, static)
@@ -499,7 +545,8 @@ def _context(cfg, formula_set) -> tuple:
     return A.cache_for(fset, cfg), memory.all_param_chunks(cfg)
 
 
-def _stage_events(cfg, ctx, rank, iterations: int) -> list:
+def _stage_events(cfg, ctx, rank, iterations: int, labelled: bool = False):
+    """The stage's stream events; labelled: the Stream itself (its tags kept)."""
     from . import tp_overlap
     from .static_memory import attention_buffer_bytes
     cache, chunks_by_stage = ctx
@@ -508,8 +555,8 @@ def _stage_events(cfg, ctx, rank, iterations: int) -> list:
     from . import persistent_state
     st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static,
                       tp_overlap.buffer_bytes(cfg) + persistent_state.stage_bytes(cfg, chunks), iterations,
-                      attention_buffer_bytes(cfg) if has_layers else 0.0, runtime_tensors(rank))
-    return st.events
+                      attention_buffer_bytes(cfg) if has_layers else 0.0, runtime_tensors(rank), labelled)
+    return st if labelled else st.events
 
 
 def runtime_tensors(rank) -> list:

@@ -589,9 +589,6 @@ def derive(cfg: TrainingConfig) -> None:
                             "sequence parallelism must be used")
 
     _derive_precision(cfg)
-    if cfg.fp32_residual_connection and cfg.params_dtype != "fp32":
-        cfg.warnings.append("--fp32-residual-connection is not modelled: activations are estimated with a "
-                            f"{cfg.params_dtype} residual stream (megatron-core casts the embedding output to fp32)")
     _derive_virtual_pipeline(cfg)
     cfg.padded_vocab_size = _padded_vocab_size(cfg)
     cfg.attention_kernel = _attention_kernel(cfg)

@@ -52,6 +52,9 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
                           communication per dimension; 2 + model tree, every collective, process
                           groups; 3 + every stage's tree
   --png FILE              each pipeline stage's predicted memory over the schedule (matplotlib)
+  --memory-snapshot FILE  the predicted allocations of every pipeline stage (stage r as device r), as
+                          the pickle torch.cuda.memory._snapshot() writes: open it in PyTorch's
+                          memory_viz beside a snapshot of the real run
   --preset NAME           prepend a bundled model preset's flags (your flags after it win):
                           {presets}
   --hf-config FILE        the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral,
@@ -125,6 +128,7 @@ OWN_OPTIONS = {
     "--json": ("json", "flag"), "--exit-code": ("exit_code", "flag"), "--search": ("search", "flag"),
     "--top": ("top", "int"),
     "--formulas": ("formulas", "str"), "--preset": ("preset", "preset"), "--png": ("png", "str"),
+    "--memory-snapshot": ("memory_snapshot", "str"),
     "--gpu-memory": ("gpu_memory", "str"), "--detail": ("detail", "int"),
     "--cuda-context-gib": ("cuda_context_gib", "float"),
     "--nccl-gib-per-communicator": ("nccl_gib_per_communicator", "float"),
@@ -139,6 +143,7 @@ def split_own_options(argv: list[str]) -> tuple[list[str], dict]:
     script (`--nproc_per_node 8 pretrain_gpt.py --num-layers ...`) becomes the world flags plus the script's
     flags; preset flags go first, so the user's flags after them win."""
     own = {"json": False, "exit_code": False, "formulas": None, "help": False, "png": None, "gpu_memory": None,
+           "memory_snapshot": None,
            "detail": 1, "cuda_context_gib": None, "nccl_gib_per_communicator": None, "fragmentation_percent": None,
            "search": False, "top": 20, "cuda_alloc_conf": None, "torch_adam": False}
     rest: list[str] = []
@@ -362,6 +367,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 plot.save(report, own["png"])
             except plot.PlotError as exc:
                 raise UsageError(str(exc)) from None
+        if own["memory_snapshot"]:
+            from estimator import reserved as RES
+            from estimator import snapshot
+            conf, _ = RES.allocator_settings(own["cuda_alloc_conf"])
+            snapshot.save(report.cfg, report.formula_set, report.estimate, own["memory_snapshot"], conf)
     except (ConfigError, F.FormulaError, PAR.ParallelConfigError, V.GPUMemoryError,
             invariants.EstimateError) as exc:
         print(f"error: {exc}", file=sys.stderr)

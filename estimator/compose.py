@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import ChainMap
 
 from . import formulas as F
-from . import moe_tokens
+from . import moe_tokens, transforms
 
 ROOT = "step"
 FIRST_ONLY = ("data.tokens", "embedding")
@@ -78,6 +78,9 @@ class ComposedCache:
         self._first_chunk = False     # the chunk being walked holds the embedding (sequence's `first`)
         self.saved_measured = 0.0
         self.saved_extrapolated = 0.0
+        self.saved_modelled = 0.0     # bytes of the rows registered transforms add (estimator.transforms)
+        self._transform_rows: dict = {}
+        self.modelled_difference: set = set()   # untraced kernel switch values the modelled set's difference covers
         self.extrapolated: set = set()
         self.untraced = untraced_features(cfg, self.sw, fset)   # after mapping recompute to its plain layer
 
@@ -85,11 +88,12 @@ class ComposedCache:
         return set()   # a composed set never takes a number from the modelled set
 
     def coverage(self) -> dict:
-        total = self.saved_measured + self.saved_extrapolated
+        total = self.saved_measured + self.saved_extrapolated + self.saved_modelled
         share = 1.0 if total <= 0 else self.saved_measured / total
         if self.untraced:
             share = 0.0
         return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced,
+                "modelled_difference": sorted(self.modelled_difference),
                 "standins": [] if self.fset.measured_on_gpu else standin_families(self.sw, self.untraced)}
 
     # ---- values
@@ -165,6 +169,16 @@ class ComposedCache:
         self.extrapolated.add(f"{op} (children)")
         return min(entries, key=lambda e: sum(sw.get(k) != v for k, v in e[1]))[2]
 
+    def transform_items(self, moe: bool, layer) -> list:
+        """The segments registered transforms add to a layer (estimator.transforms), at its end: saved until its
+        backward, which frees them."""
+        rows = self._transform_rows.get(moe)
+        if rows is None:
+            rows = self._transform_rows[moe] = [
+                (op, (s, max(f, s), -s, b, False)) for op, s, f, b in
+                transforms.layer_rows(self.cfg, self.env, moe, getattr(self.fset, "kind", "") == "modelled")]
+        return [(op, values, op, layer) for op, values in rows]
+
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
         """The chunk's forward as items: (label, values, op, instance) for a segment, ("run", [items][, grad,
@@ -197,6 +211,7 @@ class ComposedCache:
                 self._expand(LAYER, i, sw, items)
                 self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder",
                           first=self._first_chunk and i == 0)
+                items += self.transform_items(bool(moe_flags[i]), i)
             if ckpt:
                 # An MoE layer's recomputed graph outlives the checkpoint's backward (the token dispatcher keeps
                 # its routing probabilities, which reach back to the group's detached input): the group's input
@@ -484,6 +499,11 @@ def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tupl
     items = cache.sequence(moe_flags, first, last)
     rows: list = []
     saved, fwd = _replay_forward(items, 0.0, 0.0, rows)
+    relief = transforms.chunk_relief(cache.cfg, layer_kept(items))
+    if relief:
+        # Offloaded layers leave the device during the forward: the saved level and the forward peak (reached at
+        # its end) drop by what left; the backward's transient above the level is unchanged.
+        saved, fwd = saved - relief, max(fwd - relief, saved - relief)
     bwd_rows: list = []
     _, bwd = _replay_backward(items, saved, saved, bwd_rows)
     _account(cache, items)
@@ -496,6 +516,17 @@ def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tupl
         _, top = _replay_backward(items, saved + kept, saved + kept, [], again=True)
         again = max(top - saved, 0.0)
     return saved, max(fwd, saved), max(bwd - saved, 0.0), _op_rows(rows, bwd_rows), again
+
+
+def layer_kept(items: list) -> list:
+    """Each layer's saved bytes, in order (a layer is a `run` item; a checkpoint group keeps its input only)."""
+    out = []
+    for it in items:
+        if it[0] == "run":
+            out.append(sum(x[1][0] for x in it[1] if x[0] not in ("run", "ckpt")))
+        elif it[0] == "ckpt":
+            out.append(it[2])
+    return out
 
 
 def retained(items: list) -> float:
@@ -521,11 +552,16 @@ def _account(cache: ComposedCache, items: list) -> None:
             _account(cache, it[1])
             continue
         label, (fd, _, _, _, measured), _, _ = it
-        if measured:
+        if label in _TRANSFORM_LABELS:
+            cache.saved_modelled += max(fd, 0.0)
+        elif measured:
             cache.saved_measured += max(fd, 0.0)
         else:
             cache.saved_extrapolated += max(fd, 0.0)
             cache.extrapolated.add(label)
+
+
+_TRANSFORM_LABELS = transforms.LAYER_LABELS
 
 
 def _op_rows(rows: list, bwd_rows: list) -> list:

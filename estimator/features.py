@@ -27,6 +27,10 @@ def modelled(cfg) -> list[str]:
         out.append(f"--softmax-type {cfg.softmax_type}: activations as the vanilla softmax's")
     if cfg.is_moe and cfg.moe_router_dtype:
         out.append(f"--moe-router-dtype {cfg.moe_router_dtype}: router logits and scores in that dtype")
+    if cfg.fp32_residual_connection and cfg.params_dtype != "fp32":
+        out.append("--fp32-residual-connection: the residual stream in fp32 (each layer's two norm inputs)")
+    if cfg.qk_layernorm:
+        out.append("--qk-layernorm: each layer keeps the query's and key's share of the QKV output for the norms")
     if cfg.quick_geglu:
         out.append("--quick-geglu: activations from the swiglu formulas")
     if cfg.cross_entropy_loss_fusion:

@@ -123,7 +123,7 @@ RENAMED = {
 # are suggested too.
 TOOL_OPTIONS = ("--json", "--exit-code", "--search", "--top", "--formulas", "--preset", "--png", "--gpu-memory",
                 "--detail", "--cuda-context-gib", "--nccl-gib-per-communicator", "--fragmentation-percent",
-                "--cuda-alloc-conf", "--torch-adam")
+                "--cuda-alloc-conf", "--torch-adam", "--memory-snapshot")
 
 
 def known(flag: str) -> bool:

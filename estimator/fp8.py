@@ -18,6 +18,8 @@ estimated with their 16-bit savings only (the estimate errs high there).
 """
 from __future__ import annotations
 
+from .transforms import layer_transform
+
 FP8_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
@@ -125,3 +127,8 @@ def layer_row(cfg, env: dict, moe: bool) -> tuple:
             saving += (e - 1) * s * b * f / t     # linear_fc2's input (the activation output)
     delta = copy - saving
     return (SAVED_INPUTS_OP, delta, max(delta, 0.0), 0.0)
+
+
+@layer_transform("fp8 saved inputs", SAVED_INPUTS_OP)
+def _saved_inputs(cfg, env: dict, moe: bool, modelled: bool):
+    return layer_row(cfg, env, moe) if active(cfg) else None

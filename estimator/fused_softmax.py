@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from .transforms import layer_transform
+
 
 def fallback_fp32(cfg) -> bool:
     """Whether a 16-bit model's unfused attention softmax runs in torch's fp32 fallback on a GPU."""
@@ -30,7 +32,8 @@ def fallback_fp32(cfg) -> bool:
     return not (os.environ.get("NVTE_MASKED_SOFTMAX_FUSION", "1") != "0" and 16 < s < 16384)
 
 
-def layer_row(cfg, env: dict, modelled: bool):
+@layer_transform("fp32 softmax fallback", "layers.*.self_attention.core_attention_fp32_softmax")
+def layer_row(cfg, env: dict, moe: bool, modelled: bool):
     """The row to append to each layer's rows, or None."""
     if not modelled or not fallback_fp32(cfg):
         return None

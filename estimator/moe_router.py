@@ -4,10 +4,13 @@ the [tokens, experts] logits and scores each take (router bytes - activation byt
 16-bit formulas count, on every MoE layer."""
 from __future__ import annotations
 
+from .transforms import layer_transform
+
 BYTES = {"fp32": 4, "fp64": 8}
 
 
-def layer_row(cfg, env: dict, moe: bool):
+@layer_transform("router dtype", "layers.*.mlp.router_dtype")
+def layer_row(cfg, env: dict, moe: bool, modelled: bool = False):
     """The row to append to a MoE layer's rows, or None."""
     extra = BYTES.get(cfg.moe_router_dtype, 0) - env["e"]
     if not moe or extra <= 0:

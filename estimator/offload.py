@@ -10,6 +10,8 @@ layer's saved bytes stay on the GPU (the buffer in flight) and the other N - 1 l
 """
 from __future__ import annotations
 
+from .transforms import chunk_transform
+
 
 def validate(cfg) -> None:
     """Megatron-LM's and megatron-core's checks, in their words."""
@@ -41,6 +43,7 @@ def optimizer_gpu_share(cfg) -> float:
     return 1.0 - cfg.optimizer_offload_fraction if cfg.optimizer_cpu_offload else 1.0
 
 
+@chunk_transform("activation CPU offload")
 def activation_relief(cfg, layer_kept: list) -> float:
     """Saved bytes per microbatch that leave the GPU; layer_kept: each layer's saved bytes, in order."""
     n = cfg.cpu_offloading_num_layers

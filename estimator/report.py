@@ -296,6 +296,9 @@ def _coverage_lines(cov) -> list[str]:
                    f"formulas is used): {', '.join(cov['extrapolated'])}")
     if cov["untraced"]:
         out.append(f"  not in any traced run, composed without them: {', '.join(cov['untraced'])}")
+    if cov.get("modelled_difference"):
+        out.append(f"  for {', '.join(cov['modelled_difference'])}: the modelled set's difference to the traced value "
+                   f"added")
     if cov.get("standins"):
         out.append(f"  GPU kernels measured on CPU stand-ins (docs/STANDINS.md): {', '.join(cov['standins'])}")
     return out

@@ -8,8 +8,8 @@ dtype); the strategy says which are sharded over the data-parallel (x context-pa
   optim_grads_params: + model weights, gathered per FSDP unit (a transformer layer, the embedding, the output layer)
   into temporary buckets just before use.
 Torch FSDP2 (Megatron-LM's TorchFullyShardedDataParallel): fully_shard on each layer and the embedding, the
-parameters (param dtype) and their gradients (param dtype) sharded; the Megatron optimizer keeps fp32 main params,
-fp32 grad copies and Adam states for the local shards. Expert parameters shard over the expert-data-parallel group.
+parameters (param dtype) and their gradients (param dtype) sharded; the Megatron optimizer keeps fp32 main params
+and Adam states for the local shards (and, during the step, fp32 copies of 16-bit gradients). Expert parameters shard over the expert-data-parallel group.
 
 Temporaries (modelled): while a unit computes, the next one is prefetched, so two units' gathered weights and, in
 backward, two units' unsharded gradients (before their reduce-scatter) are live; without resharding after forward
@@ -129,13 +129,18 @@ def apply(cfg, st: StaticMemory, chunks) -> StaticMemory:
         grads += 2 * unit * gb
     # fp32 main params of 16-bit weights, an fp32 copy of 16-bit gradients, Adam's two states (SGD: momentum).
     _, per_param = optimizer_bytes_per_param(cfg)
+    # 16-bit gradients' fp32 copies exist during the step only (static_memory): in its transient
+    copy = 4 if precision(cfg)[1] != "fp32" else 0
+    per_param -= copy
     if cfg.use_torch_fsdp2 and pd != "fp32" and precision(cfg)[1] == "fp32":
         per_param += 4  # FSDP2's gradients are 16-bit: the optimizer keeps an fp32 copy of the shard
     state_elems = sharded(how != "no_shard")
     name = "torch FSDP2" if cfg.use_torch_fsdp2 else "Megatron FSDP"
-    detail = dict(st.optimizer_detail, state_elements=state_elems, sharding=f"{name} {how} (modelled)")
+    detail = dict(st.optimizer_detail, state_elements=state_elems, sharding=f"{name} {how} (modelled)",
+                  fp32_grad_copy_bytes=copy * state_elems)
+    update = st.optimizer_step_transient_bytes - st.optimizer_detail.get("fp32_grad_copy_bytes", 0)
     return StaticMemory(st.params, st.expert_params, int(weights), int(grads), int(per_param * state_elems), detail,
-                        st.grad_buffer_numel, st.padding_elements, st.optimizer_step_transient_bytes)
+                        st.grad_buffer_numel, st.padding_elements, int(update + copy * state_elems))
 
 
 def comm_rows(cfg, add_row, stage_params: dict) -> None:

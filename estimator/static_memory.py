@@ -216,10 +216,12 @@ class StaticMemory:
     expert_params: int
     weights_bytes: int             # param storage (padded param buffer under dist-opt)
     grad_buffer_bytes: int         # DDP main-grad buffers (padded)
-    optimizer_bytes: int           # fp32 master params + fp32 grad copies + Adam/SGD states (sharded with dist-opt)
+    optimizer_bytes: int           # fp32 master params + Adam/SGD states (sharded with dist-opt)
     optimizer_detail: dict = field(default_factory=dict)
     grad_buffer_numel: int = 0
     padding_elements: int = 0
+    # the step's own memory above the persistent level: 16-bit gradients' fp32 copies (optimizer_detail
+    # fp32_grad_copy_bytes) and the update's temporaries (adam_step)
     optimizer_step_transient_bytes: int = 0
     optimizer_step: str = "fused"   # adam_step(): how the step runs, which decides its temporaries
 
@@ -267,7 +269,7 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     opt_states = 8 if _g(cfg, "optimizer", "adam") == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
 
     params = expert = weights = grads = gnumel = padding = state_elems = 0
-    largest = 0
+    largest = bucket_top = 0
     for ci, chunk in enumerate(chunks):
         # Megatron-LM disables bucketing on stages > 0 and on virtual chunks > 0.
         bsize = bucket if (pp_rank == 0 and ci == 0) else None
@@ -279,7 +281,8 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
             key = ("static", content, bsize, dp_dense, dp_expert, dist_opt, dp_rank)
             hit = _memo.get(key)
             if hit is not None:
-                for is_exp, n, big, numel, unpadded, shard in hit:
+                for is_exp, n, big, numel, unpadded, shard, top in hit:
+                    bucket_top = max(bucket_top, top)
                     params += n
                     expert += n if is_exp else 0
                     largest = max(largest, big)
@@ -309,10 +312,17 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
             else:
                 shard = n
             state_elems += shard
-            parts.append((is_exp, n, big, lay.numel, lay.numel_unpadded, shard))
+            # the largest bucket the distributed optimizer reduce-scatters (and all-gathers) over DP
+            top = max((b1 - b0 for b0, b1 in lay.buckets), default=0) if dist_opt and dp > 1 else 0
+            bucket_top = max(bucket_top, top)
+            parts.append((is_exp, n, big, lay.numel, lay.numel_unpadded, shard, top))
         if key is not None:
             _memo[key] = parts
     master = 4 * state_elems if pd != "fp32" else 0
+    # 16-bit gradients: the step makes an fp32 copy of each (shard of a) gradient for the fp32 main parameter's
+    # .grad (megatron-core's _copy_model_grads_to_main_grads: `.float()`), which the next iteration's zero_grad
+    # frees before any forward: step-time memory, not persistent (measured on CPU, DP 2 bf16 with the distributed
+    # optimizer: --grad-reduce-in-bf16 lowers the forward's peak by the whole 2-byte saving of the grad buffer).
     grad_copy = 4 * state_elems if gd != "fp32" else 0
     states = opt_states * state_elems
     detail = {"master_params_bytes": master, "fp32_grad_copy_bytes": grad_copy, "states_bytes": states,
@@ -326,8 +336,14 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
         # A fused multi-tensor step (TE / apex FusedAdam) needs no parameter-sized temporaries; grad-norm / clipping
         # keep one fp32 vector of the largest tensor's shard at most (modelled, conservative).
         transient = 4 * -(-largest // (dp_dense if dist_opt else 1))
-    return StaticMemory(params, expert, weights, grads, master + grad_copy + states, detail, gnumel, padding,
-                        transient, step)
+    if device == "cpu":
+        # gloo's reduce_scatter_tensor (and all_gather_into_tensor) works on a flat copy of the whole bucket, freed
+        # when the collective ends (measured on CPU, DP 2 with the distributed optimizer: one grad-buffer-sized
+        # tensor inside grad_sync, one param-buffer-sized one inside param_gather); NCCL needs none. It comes at
+        # the end of the backward, before the step's own memory: the larger of the two is the rank's transient.
+        transient = max(transient, bucket_top * gb - grad_copy)
+    return StaticMemory(params, expert, weights, grads, master + states, detail, gnumel, padding,
+                        grad_copy + transient, step)
 
 
 def adam_step(cfg: Any, device: str = "cuda") -> str:

@@ -1,0 +1,17 @@
+"""--qk-layernorm: megatron-core's SelfAttention normalizes the query and the key per head (q_layernorm,
+k_layernorm) after splitting the QKV projection's output. Modelled, not measured (no traced run had it): each norm
+saves its input, views of the projection's output that nothing else keeps, so the query's and the key's share
+of that output stays alive per layer until the backward (the norms' statistics are per token and head: ignored)."""
+from __future__ import annotations
+
+from .transforms import layer_transform
+
+LABEL = "layers.*.self_attention.qk_layernorm"
+
+
+@layer_transform("qk layernorm", LABEL)
+def layer_row(cfg, env: dict, moe: bool, modelled: bool):
+    if not getattr(cfg, "qk_layernorm", False):
+        return None
+    saved = env["e"] * env["s"] * env["b"] * (env["a"] + env["g"]) * env["d"] / env["t"]
+    return (LABEL, saved, saved, 0.0)
