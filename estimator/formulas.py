@@ -15,6 +15,7 @@ from estimator._record import dataclass, field
 
 FORMAT = "megatron-memtrace-formulas"
 VERSION = 1
+PROGRAM_FORMAT = "megatron-memtrace-programs"   # estimator.programs (FORMATS 7), imported only for such a set
 COMPOSED_VERSION = 2   # a composed set: per-segment formulas and the op structure (FORMATS 4.1)
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "formula_sets")
 # Fitted sets are the fit stage's output; the estimator reads them as data (it imports nothing from fit/).
@@ -406,8 +407,7 @@ def from_dict(doc: Any, path: Optional[str] = None) -> FormulaSet:
     src = path or "<formula set>"
     if not isinstance(doc, dict):
         raise FormulaError(f"{src}: top level must be a JSON object")
-    from . import programs as P
-    if doc.get("format") == P.FORMAT:
+    if doc.get("format") == PROGRAM_FORMAT:
         return _program_set(doc, src, path)
     if doc.get("format") != FORMAT:
         raise FormulaError(f"{src}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .formulas import VARIABLES
+from .formulas import PROGRAM_FORMAT, VARIABLES
 
-FORMAT = "megatron-memtrace-programs"
+FORMAT = PROGRAM_FORMAT
 VERSION = 1
 OPS = ("+", "-", "+~", "-~")
 
