@@ -390,13 +390,19 @@ def local_spec(cfg: Any) -> bool:
     return _g(cfg, "transformer_impl", "transformer_engine") == "local" or bool(spec and spec[0] == "local")
 
 
-def attention_buffer_bytes(cfg: Any) -> int:
+def attention_buffer_bytes(cfg: Any, standin: bool = False) -> int:
     """megatron-core's local DotProductAttention takes its baddbmm output from the global memory buffer
     (parallel_state.get_global_memory_buffer().get_tensor((b * heads / TP, sq, sk), dtype, "mpu")): one tensor per
     process, allocated by the first forward and kept for the rest of training (measured on CPU: b*(a/t)*s*s
-    elements of the activation dtype, e.g. 175,616 B for b=2, a=7, s=56, fp32). 0 outside the local spec."""
+    elements of the activation dtype, e.g. 175,616 B for b=2, a=7, s=56, fp32). 0 where no layer runs it.
+    standin: the set was measured on the stand-ins (tracer/standins.py: every fitted set), whose TE spec runs its
+    unfused backend as that same DotProductAttention (on the H100 traces: the 54 / 72 MiB the fp32 runs keep in
+    core attention). Transformer Engine's own unfused attention allocates its scores per call instead, a forward
+    transient the stand-in runs' programs do not hold: the buffer stands for it there and errs high."""
     if not local_spec(cfg):
-        return 0
+        from .formulas import kernels
+        if not (standin and kernels(cfg)["attention"] == "unfused"):
+            return 0
     e = DTYPE_BYTES[precision(cfg)[0]]
     s = _g(cfg, "seq_length", 0) // _g(cfg, "context_parallel_size", 1)
     return e * _g(cfg, "micro_batch_size", 1) * (_g(cfg, "num_attention_heads", 0) // _g(cfg, "tensor_model_parallel_size", 1)) * s * s
