@@ -42,6 +42,9 @@ _EXTRA_FLAGS = {
     # collection every N iterations (0: never). Frees of cyclic garbage then no longer land at random points.
     "manual_gc": ("--manual-gc", bool, False),
     "manual_gc_interval": ("--manual-gc-interval", int, 0),
+    # Megatron-LM makes gloo copies of the data-parallel groups (checkpointing) unless told not to; a fake process
+    # group cannot host them (tracer.fake_world passes this flag).
+    "disable_gloo_process_groups": ("--disable-gloo-process-groups", bool, False),
 }
 
 
@@ -105,13 +108,13 @@ def model_parallel_kwargs(cfg) -> dict:
                 expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
 
 
-def init_parallel(cfg, seed: int) -> None:
+def init_parallel(cfg, seed: int, gloo_groups: bool = True) -> None:
     """megatron parallel_state + seeds, as Megatron-LM's initialize_megatron does."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(**model_parallel_kwargs(cfg))
+        ps.initialize_model_parallel(**model_parallel_kwargs(cfg), create_gloo_process_groups=gloo_groups)
     # Megatron-LM's _set_random_seed: offset by pipeline rank so stages differ.
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -264,7 +267,7 @@ def build_optimizer(cfg, extra: dict, model: list):
         min_loss_scale=extra["min_loss_scale"], loss_scale_window=extra["loss_scale_window"],
         hysteresis=extra["hysteresis"], clip_grad=extra["clip_grad"],
         use_distributed_optimizer=cfg.use_distributed_optimizer, overlap_param_gather=cfg.overlap_param_gather)
-    return get_megatron_optimizer(oc, model)
+    return get_megatron_optimizer(oc, model, use_gloo_process_groups=not extra["disable_gloo_process_groups"])
 
 
 @dataclass(frozen=True)
@@ -373,7 +376,7 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None,
     scopes.patch_megatron()
     # Setup: weights, DDP grad buffers and optimizer state are allocated here (before the setup_done mark);
     # setup:* scopes let the parser tell them apart.
-    init_parallel(cfg, extra["seed"])
+    init_parallel(cfg, extra["seed"], not extra["disable_gloo_process_groups"])
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
         init_num_microbatches_calculator(torch.distributed.get_rank(), None, cfg.global_batch_size,
                                          cfg.micro_batch_size, ps.get_data_parallel_world_size())

@@ -1,7 +1,8 @@
 """Profiling launcher: run a few real Megatron iterations with the tracing allocator, one trace per rank.
 
     python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N] [--balanced-routing] [--crosscheck]
-                             [--target harness|PATH/TO/pretrain_gpt.py] [--] <Megatron-LM flags>
+                             [--fake-world N [--ranks R,R...]] [--target harness|PATH/TO/pretrain_gpt.py]
+                             [--] <Megatron-LM flags>
 
 GPU: run it under torchrun (`torchrun $DISTRIBUTED_ARGS -m tracer.profile ...`); started without torchrun it
 re-launches itself through torch.distributed.run with the torchrun flags found on its command line.
@@ -12,6 +13,10 @@ buffers depend on the config's shapes only; the fit campaign profiles MoE config
 `--crosscheck` (with --cpu): also measure every rank's peak independently of the tracer, from torch.profiler's
 memory events with c10's process-wide CPU memory accounting on (see `Crosscheck`); the header gets
 `crosscheck_peak_bytes` next to `allocator_peak_bytes`.
+`--fake-world N`: trace ranks of a world of N one at a time, each alone in its own process on torch's fake process
+group (tracer/fake_world.py: collectives move no data; what a real backend holds beyond their outputs is not
+traced): one CPU, or one GPU, serves any layout. `--ranks R,R...` picks the ranks (default: the first, a middle
+and the last pipeline stage of the first pipeline group).
 Each rank writes `<out>/rank<R>.trace`, `.names` and `.json` (docs/FORMATS.md 2.4).
 """
 from __future__ import annotations
@@ -27,7 +32,8 @@ import traceback
 from dataclasses import dataclass, field
 
 USAGE = ("usage: python -m tracer.profile [--cpu] [--nproc N] [--out DIR] [--iterations N] [--balanced-routing] "
-         "[--crosscheck] [--target harness|PATH/TO/pretrain_gpt.py] [--] <Megatron-LM flags>")
+         "[--crosscheck] [--fake-world N [--ranks R,R...]] [--target harness|PATH/TO/pretrain_gpt.py] [--] "
+         "<Megatron-LM flags>")
 _TORCHRUN = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
              "--master_addr", "--master-addr", "--master_port", "--master-port"}
 _WORKER_ENV = "MEMTRACE_WORKER"
@@ -51,6 +57,8 @@ class Options:
     out: str = "memtrace_out"
     iterations: int = 3
     target: str = "harness"
+    fake_world: int | None = None   # trace ranks of a world this size on torch's fake process group
+    ranks: list | None = None       # which ranks (--ranks); None: tracer.fake_world.pipeline_ranks
     flags: list = field(default_factory=list)   # the Megatron-LM (and torchrun) flags
 
     @property
@@ -82,21 +90,28 @@ def parse_options(argv: list[str]) -> Options:
         if name == "--gpu-kernels":
             opts.gpu_kernels = True
             continue
-        if name in ("--nproc", "--out", "--iterations", "--target"):
+        if name in ("--nproc", "--out", "--iterations", "--target", "--fake-world", "--ranks"):
             if eq:
                 val = inline
             elif i < len(argv):
                 val, i = argv[i], i + 1
             else:
                 raise UsageError(f"argument {name}: expected one argument")
-            if name in ("--nproc", "--iterations"):
+            if name == "--ranks":
+                try:
+                    opts.ranks = sorted({int(r) for r in val.split(",")})
+                except ValueError:
+                    raise UsageError(f"argument --ranks: expected ranks separated by commas, got {val!r}") from None
+                if opts.ranks[0] < 0:
+                    raise UsageError(f"argument --ranks: a rank is >= 0, got {opts.ranks[0]}")
+            elif name in ("--nproc", "--iterations", "--fake-world"):
                 try:
                     num = int(val)
                 except ValueError:
                     raise UsageError(f"argument {name}: invalid int value: {val!r}") from None
                 if num < 1:
                     raise UsageError(f"argument {name}: must be >= 1, got {num}")
-                setattr(opts, name[2:], num)
+                setattr(opts, name[2:].replace("-", "_"), num)
             else:
                 setattr(opts, name[2:], val)
             continue
@@ -105,6 +120,12 @@ def parse_options(argv: list[str]) -> Options:
         rest.append(tok)
     if opts.crosscheck and not opts.cpu:
         raise UsageError("--crosscheck needs --cpu (it reads c10's CPU allocator accounting)")
+    if opts.ranks is not None and opts.fake_world is None:
+        raise UsageError("--ranks needs --fake-world N (the ranks of which world?)")
+    if opts.fake_world is not None and opts.ranks and opts.ranks[-1] >= opts.fake_world:
+        raise UsageError(f"--ranks: rank {opts.ranks[-1]} is outside a world of {opts.fake_world}")
+    if opts.fake_world is not None and not opts.is_harness:
+        raise UsageError("--fake-world runs the built-in harness (--target harness)")
     if not opts.is_harness and not os.path.isfile(opts.target):
         raise UsageError(f"--target {opts.target}: no such file (give 'harness' or a path to pretrain_gpt.py)")
     opts.flags = rest
@@ -133,7 +154,10 @@ def strip_flags(flags: list[str], names, with_value: bool = True) -> list[str]:
 
 
 def world_size(opts: Options) -> int:
-    """Processes to run: --nproc, else torchrun's --nproc_per_node x --nnodes, else $WORLD_SIZE, else 1."""
+    """Processes to run: --fake-world, --nproc, else torchrun's --nproc_per_node x --nnodes, else $WORLD_SIZE,
+    else 1."""
+    if opts.fake_world:
+        return opts.fake_world
     if opts.nproc:
         return opts.nproc
     per = _flag_value(opts.flags, {"--nproc_per_node", "--nproc-per-node"})
@@ -147,8 +171,11 @@ def world_size(opts: Options) -> int:
 
 
 def config_argv(opts: Options, world: int) -> list[str]:
-    """The flags the estimator's parser sees: the user's, with the actual world size as torchrun's flags."""
+    """The flags the estimator's parser sees: the user's, with the actual world size as torchrun's flags (and, in a
+    fake world, no gloo copies of the data-parallel groups: tracer.fake_world)."""
     flags = strip_flags(opts.flags, _TORCHRUN)
+    if opts.fake_world and "--disable-gloo-process-groups" not in flags:
+        flags = flags + ["--disable-gloo-process-groups"]
     return ["--nproc_per_node", str(world), "--nnodes", "1"] + flags
 
 
@@ -319,10 +346,13 @@ class Crosscheck:
 
 # ---- one rank ----------------------------------------------------------------------------------------------
 
-def _install_tracing(prefix: str, cpu: bool, crosscheck: Crosscheck | None = None) -> str:
+def _install_tracing(prefix: str, cpu: bool, crosscheck: Crosscheck | None = None, fake: bool = False) -> str:
     """Open the trace and route allocations into it before anything else allocates. Returns the backend.
     With a Crosscheck (CPU), c10's accounting starts right after the hook and the profiler right after that."""
     from tracer import allocator
+    if fake:    # before megatron-core binds the collectives, and before the gloo compat layer wraps them
+        from tracer import fake_world
+        fake_world.install()
     if cpu:
         from tracer import cpu_hook, megatron_compat
         cpu_hook.install(prefix)
@@ -340,11 +370,17 @@ def _install_tracing(prefix: str, cpu: bool, crosscheck: Crosscheck | None = Non
     return "cuda"
 
 
-def _init_distributed(cpu: bool, rank: int, world: int) -> None:
+def _init_distributed(cpu: bool, rank: int, world: int, fake: bool = False) -> None:
     import datetime
 
     import torch
     if torch.distributed.is_initialized():
+        return
+    if fake:
+        from tracer import fake_world
+        if not cpu:
+            torch.cuda.set_device(0)
+        fake_world.init(rank, world)
         return
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
@@ -413,7 +449,8 @@ def worker(opts: Options) -> int:
         # anything here imports megatron.
         sys.path.insert(0, os.path.dirname(os.path.abspath(opts.target)))
     xc = Crosscheck() if (opts.crosscheck and cpu) else None
-    backend = _install_tracing(prefix, cpu, xc)
+    fake = opts.fake_world is not None
+    backend = _install_tracing(prefix, cpu, xc, fake)
 
     import torch
     from tracer import allocator, scopes
@@ -424,7 +461,8 @@ def worker(opts: Options) -> int:
               **({"cpu_capability": torch.backends.cpu.get_cpu_capability()} if cpu else {}),
               "backend": backend, "versions": versions(), "iterations": opts.iterations,
               "target": "harness" if opts.is_harness else "pretrain_gpt",
-              "routing": "balanced" if opts.balanced_routing else "model"}
+              "routing": "balanced" if opts.balanced_routing else "model",
+              "process_group": "fake" if fake else ("gloo" if cpu else "nccl")}
     hpath = prefix + ".json"
     write_header(hpath, header)
     scopes.enable()
@@ -432,7 +470,7 @@ def worker(opts: Options) -> int:
     status = 0
     try:
         if opts.is_harness:
-            _init_distributed(cpu, rank, world)   # a pretrain_gpt.py initialises its own (Megatron's options)
+            _init_distributed(cpu, rank, world, fake)   # a pretrain_gpt.py initialises its own (Megatron's options)
         scopes.attach_module_hooks()
         scopes.patch_megatron()
         if opts.balanced_routing:
@@ -541,8 +579,25 @@ def relaunch_torchrun(opts: Options, argv: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", *tr, "-m", "tracer.profile", *rest])
 
 
-def summarize(out: str, world: int) -> None:
-    for r in range(world):
+def spawn_fake(opts: Options, argv: list[str], world: int, ranks: list) -> int:
+    """Each rank of the fake world in its own worker process, one after another (each alone: a fresh trace)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rc = 0
+    for rank in ranks:
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1",
+                   **{_WORKER_ENV: "1"})
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+        if opts.cpu:
+            # as a gloo world's ranks run (spawn_cpu): one thread each, so the kernels' per-thread buffers (a CPU
+            # layer norm's backward) are the same size in a rank and in its fake twin
+            env.setdefault("OMP_NUM_THREADS", "1")
+        code = subprocess.call([sys.executable, "-m", "tracer.profile", *argv], env=env)
+        rc = rc or code
+    return rc
+
+
+def summarize(out: str, world: int, ranks: list | None = None) -> None:
+    for r in (range(world) if ranks is None else ranks):
         path = os.path.join(out, f"rank{r}.json")
         try:
             with open(path) as f:
@@ -573,6 +628,17 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(_WORKER_ENV) == "1" or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
             return worker(opts)
         world = world_size(opts)
+        if opts.fake_world:
+            cfg = load_config(opts, world)     # fail fast, with the estimator's message
+            from tracer import fake_world
+            ranks = opts.ranks or fake_world.pipeline_ranks(cfg)
+            if not opts.cpu:
+                import torch
+                if not torch.cuda.is_available():
+                    raise UsageError("no CUDA device here: pass --cpu to profile on CPU")
+            rc = spawn_fake(opts, argv, world, ranks)
+            summarize(opts.out, world, ranks)
+            return rc
         if opts.cpu:
             load_config(opts, world)     # fail fast, with the estimator's message, before spawning anything
             rc = spawn_cpu(opts, argv, world)
