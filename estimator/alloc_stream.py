@@ -31,8 +31,9 @@ allocated peak is unchanged by that and the reserved one moved by under 2% of it
 layouts (against 8 groups), at a quarter of the cost. Fragmentation is
 the product: the stream's tensor sizes and order are a decomposition of the formulas, so the modelled reserved
 figure is as good as that decomposition (benchmarks/reserved_model.py compares it with the real streams of the
-packed CPU traces); on 12 H100 runs the replay is -8.0% .. +12.3% of max_memory_reserved while the allocator
-model replaying their real streams is exact (benchmarks/gpu_validation.py), so that error is this decomposition's.
+packed CPU traces); on 12 H100 runs the allocator model replaying their real streams is exact
+(benchmarks/gpu_validation.py), so the error of the predicted reserved figure there (docs/ACCURACY.md) is this
+stream's.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import os
 
 from estimator._record import dataclass, field
 
-LABEL = "modelled (allocator replay; -8.0% .. +12.3% on 12 H100 runs)"
+LABEL = "modelled (the predicted stream through a caching-allocator model; docs/ACCURACY.md)"
 ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 

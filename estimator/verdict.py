@@ -8,7 +8,8 @@ allowances*, each shown and each overridable:
   communicator per process-group kind its collectives run in, plus the world group Megatron initialises with;
 - fragmentation: the caching allocator's reserved minus allocated. From the modelled reserved memory when the
   report has it (estimator.reserved: the stage's predicted stream replayed through a model of the caching
-  allocator; -8.0% .. +12.3% of max_memory_reserved on 12 H100 runs), else 5% of the allocated peak; --fragmentation-percent overrides both.
+  allocator; its accuracy on H100 runs: docs/ACCURACY.md), else 5% of the allocated peak; --fragmentation-percent
+  overrides both.
 """
 from __future__ import annotations
 
