@@ -135,7 +135,7 @@ def test_report_json_and_verdict_carry_the_modelled_reserved():
     rep = build_report(args + ["--gpu-memory", "H100"])
     doc = to_json(rep)
     model = doc["reserved_model"]
-    assert model["label"].startswith("modelled") and "H100 runs" in model["label"]
+    assert model["label"].startswith("modelled") and "caching-allocator model" in model["label"]
     assert model["allocator_settings"]["source"] in ("defaults", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
     for s, b in zip(doc["stages"], doc["memory_budget"]["stages"]):
         assert s["reserved_bytes"] == s["peak_bytes"] + b["fragmentation_bytes"] > s["peak_bytes"]
