@@ -25,18 +25,28 @@ if ROOT not in sys.path:
 DEFAULT_DIRS = [os.path.join(ROOT, "fit", "traces", d) for d in ("cpu_compose", "cpu_recompute_twins")]
 
 
+def traced_ranks(path: str) -> list:
+    """The ranks a run traced: all of its world, or those a fake-world run picked (tracer/fake_world.py)."""
+    return sorted(int(f[4:-5]) for f in os.listdir(path)
+                  if f.startswith("rank") and f.endswith(".json") and f[4:-5].isdigit())
+
+
 def rank_peaks(path: str, fset) -> tuple:
-    """(predicted peak per rank, the run's own allocator peak per rank, its argv) of one packed run."""
+    """(predicted peak per traced rank, the run's own allocator peak per traced rank, its argv) of one packed run;
+    a rank is predicted by its pipeline stage's estimate."""
     from estimator.memory import estimate
     from fit.dataset import traced_config
     cfg, hdr, argv = traced_config(path)
-    world = int(hdr.get("world_size", 1))
-    measured = []
-    for r in range(world):
+    if hdr.get("routing") == "balanced":
+        cfg.moe_imbalance = 1.0     # the run's routing was exactly balanced (tracer/moe_routing.py): no bound to add
+    measured, stages = [], []
+    for r in traced_ranks(path):
         with open(os.path.join(path, f"rank{r}.json"), encoding="utf-8") as fh:
-            measured.append(json.load(fh)["allocator_peak_bytes"])
+            h = json.load(fh)
+        measured.append(h["allocator_peak_bytes"])
+        stages.append(int((h.get("coords") or {}).get("pp", 0)))
     est = estimate(cfg, fset, device="cpu")
-    return [est.ranks[min(r, len(est.ranks) - 1)].peak_bytes for r in range(world)], measured, argv
+    return [est.ranks[p].peak_bytes for p in stages], measured, argv
 
 
 def run_error(path: str, fset) -> tuple:
@@ -58,7 +68,7 @@ def main(argv=None) -> int:
     for d in a.dirs:
         for name in sorted(os.listdir(d)):
             path = os.path.join(d, name)
-            if not os.path.isfile(os.path.join(path, "rank0.json")):
+            if not os.path.isdir(path) or not traced_ranks(path):
                 continue
             err, rec = run_error(path, fset)
             rows.append({"run": os.path.relpath(path, ROOT), "error": err, "recompute": rec})

@@ -9,7 +9,9 @@ A grid file names a base Megatron command line and a list of configs, each a sma
                  {"name": "no_bias", "unset": ["--add-bias-linear"], "nproc": 1}]}
 
 `set` replaces (or adds) a flag's value, null removes it; `flags` adds switches; `unset` removes switches.
-`nproc` defaults to TP x PP x CP. Each config's traces go to DIR/<name>/; a config is complete when every rank's
+`nproc` defaults to TP x PP x CP. `ranks` traces only those ranks of a world of `nproc`, each alone on torch's fake
+process group (`python -m tracer.profile --fake-world`, tracer/fake_world.py): a layout of any size at the cost
+of its ranks. Each config's traces go to DIR/<name>/; a config is complete when every rank's
 header carries the allocator's final counters. With --resume, complete configs are skipped (and a config whose
 command line changed is an error, not a silent mix). Runs go through a `.partial` directory that is renamed when
 the run succeeds, so an interrupted campaign never leaves a half-written config that looks complete.
@@ -43,6 +45,11 @@ class Config:
     argv: list
     nproc: int
     launcher: list = field(default_factory=list)
+    ranks: list | None = None     # fake world: the ranks traced (None: every rank, on gloo)
+
+    @property
+    def traced_ranks(self) -> list:
+        return list(range(self.nproc)) if self.ranks is None else list(self.ranks)
 
 
 # ------------------------------------------------------------------------------------------------- grid
@@ -79,15 +86,29 @@ def load_grid(path: str) -> tuple[dict, list[Config]]:
         if c["name"] in seen or "/" in c["name"] or c["name"].startswith("."):
             raise GridError(f"{path}: configs[{i}]: bad or duplicate name {c['name']!r}")
         seen.add(c["name"])
-        unknown = set(c) - {"name", "set", "flags", "unset", "nproc", "note", "launcher"}
+        unknown = set(c) - {"name", "set", "flags", "unset", "nproc", "note", "launcher", "ranks"}
         if unknown:
             raise GridError(f"{path}: configs[{i}] ({c['name']}): unknown keys {sorted(unknown)}")
         launcher = c.get("launcher") or []
         if not isinstance(launcher, list) or not set(launcher) <= LAUNCHER_OPTIONS:
             raise GridError(f"{path}: configs[{i}] ({c['name']}): 'launcher' is a list of "
                             f"{sorted(LAUNCHER_OPTIONS)}")
-        configs.append(Config(c["name"], *config_argv(base, c), launcher=list(launcher)))
+        argv, nproc = config_argv(base, c)
+        ranks = c.get("ranks")
+        if ranks is not None and (not isinstance(ranks, list) or not ranks
+                                  or not all(isinstance(r, int) and 0 <= r < nproc for r in ranks)):
+            raise GridError(f"{path}: configs[{i}] ({c['name']}): 'ranks' is a list of ranks below nproc ({nproc})")
+        configs.append(Config(c["name"], argv, nproc, launcher=list(launcher),
+                              ranks=sorted(set(ranks)) if ranks is not None else None))
     return grid, configs
+
+
+def write_grid(grid: dict, path: str) -> None:
+    """Write a grid file (the fit/grids/make_*.py scripts) and say how many configs it has."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(grid, fh, indent=1)
+        fh.write("\n")
+    print(f"wrote {path}: {len(grid['configs'])} configs")
 
 
 def config_argv(base: list, c: dict) -> tuple[list, int]:
@@ -113,8 +134,8 @@ def launcher_flags(argv: list) -> list:
 
 # ------------------------------------------------------------------------------------------------- runs
 def is_complete(run_dir: str, cfg: Config) -> bool:
-    """Every rank's header is final (written after the run) and its trace file exists."""
-    for r in range(cfg.nproc):
+    """Every traced rank's header is final (written after the run) and its trace file exists."""
+    for r in cfg.traced_ranks:
         hdr = os.path.join(run_dir, f"rank{r}.json")
         if not (os.path.isfile(hdr) and os.path.isfile(os.path.join(run_dir, f"rank{r}.trace"))):
             return False
@@ -140,6 +161,9 @@ def recorded_argv(run_dir: str):
 def profile_command(cfg: Config, out: str, iterations: int, device: str) -> list:
     cmd = [sys.executable, "-m", "tracer.profile", "--out", out, "--iterations", str(iterations),
            *launcher_flags(cfg.argv), *cfg.launcher]
+    if cfg.ranks is not None:
+        world = ["--fake-world", str(cfg.nproc), "--ranks", ",".join(map(str, cfg.ranks))]
+        return cmd + (["--cpu"] if device == "cpu" else []) + world + ["--", *cfg.argv]
     if device == "cpu":
         return cmd + ["--cpu", "--nproc", str(cfg.nproc), "--", *cfg.argv]
     return cmd + ["--", "--nproc_per_node", str(cfg.nproc), *cfg.argv]
@@ -162,8 +186,9 @@ def run_one(cfg: Config, out_dir: str, iterations: int, device: str, timeout: fl
     if rc != 0 or not is_complete(partial, cfg):
         return False, f"profiler exit {rc}, traces incomplete (log: {log}): {_last_line(log)}"
     with open(os.path.join(partial, RUN_INFO), "w", encoding="utf-8") as fh:
-        json.dump({"name": cfg.name, "argv": cfg.argv, "launcher": launcher_flags(cfg.argv) + cfg.launcher, "nproc": cfg.nproc,
-                   "iterations": iterations}, fh)
+        json.dump({"name": cfg.name, "argv": cfg.argv, "launcher": launcher_flags(cfg.argv) + cfg.launcher,
+                   "nproc": cfg.nproc, "iterations": iterations,
+                   **({"ranks": cfg.ranks, "process_group": "fake"} if cfg.ranks is not None else {})}, fh)
     os.replace(partial, final)
     return True, ""
 

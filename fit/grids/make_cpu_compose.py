@@ -6,8 +6,11 @@ dropout, selective recompute, MoE), each combination traced at several shapes dr
 segment label's formula is determined within the switch values that change it and pooled over those that do not.
 Run: python fit/grids/make_cpu_compose.py
 """
-import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from fit.campaign import write_grid  # noqa: E402
 
 COMMON = ["--num-layers", "2", "--max-position-embeddings", "256", "--make-vocab-size-divisible-by", "64",
           "--transformer-impl", "local", "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -397,11 +400,7 @@ def main():
     grid = {"name": "cpu_compose",
             "description": __doc__.split("\n\n")[0].split(": ", 1)[1],
             "device": "cpu", "iterations": 2, "base": COMMON, "configs": cfgs}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_compose.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(grid, fh, indent=1)
-        fh.write("\n")
-    print(f"wrote {path}: {len(cfgs)} configs")
+    write_grid(grid, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_compose.json"))
 
 
 if __name__ == "__main__":
