@@ -103,8 +103,15 @@ def load_grid(path: str) -> tuple[dict, list[Config]]:
     return grid, configs
 
 
-def write_grid(grid: dict, path: str) -> None:
-    """Write a grid file (the fit/grids/make_*.py scripts) and say how many configs it has."""
+def write_grid(name: str, device: str, iterations: int, base: list, configs: list, doc: str, maker: str) -> None:
+    """Write the grid file <name>.json beside its maker script (fit/grids/make_*.py; its docstring's first paragraph
+    is the description) and say how many configs it has."""
+    desc = doc.split("\n\n")[0]
+    if desc.startswith("Writes ") and ": " in desc:
+        desc = desc.split(": ", 1)[1]     # "Writes fit/grids/x.json: what it is" -> what it is
+    grid = {"name": name, "description": desc, "device": device, "iterations": iterations, "base": base,
+            "configs": configs}
+    path = os.path.join(os.path.dirname(os.path.abspath(maker)), f"{name}.json")
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(grid, fh, indent=1)
         fh.write("\n")

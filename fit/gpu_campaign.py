@@ -209,9 +209,10 @@ def grid_hash(path: str) -> str:
 def run(args) -> int:
     t0 = time.time()
     grid, configs = load_grid(args.grid)
-    if any(c.nproc != 1 for c in configs):
-        raise CampaignError(f"{args.grid}: one GPU runs world size 1 only; configs "
-                            f"{', '.join(c.name for c in configs if c.nproc != 1)} need more")
+    if any(c.nproc != 1 and c.ranks is None for c in configs):
+        raise CampaignError(f"{args.grid}: one GPU runs world size 1, or chosen ranks of a larger world on the fake "
+                            f"process group (a config's 'ranks'); configs "
+                            f"{', '.join(c.name for c in configs if c.nproc != 1 and c.ranks is None)} need more")
     name = grid.get("name") or os.path.splitext(os.path.basename(args.grid))[0]
     site, traces, packed = (os.path.join(args.out, d) for d in ("site", "traces", "packed"))
     set_path = os.path.join(args.out, f"{name}.json")

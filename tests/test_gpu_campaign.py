@@ -33,13 +33,14 @@ def _one_line_error(res, prefix):
 
 
 # ---------------------------------------------------------------------------------------------------- grids
-@pytest.mark.parametrize("grid", ["gpu_h100.json", "gpu_validate.json"])
+@pytest.mark.parametrize("grid", ["gpu_h100.json", "gpu_validate.json", "gpu_layouts.json"])
 def test_grid_loads_and_every_config_is_estimated(grid):
     g, configs = load_grid(str(GRIDS / grid))
-    assert g["device"] == "cuda" and all(c.nproc == 1 for c in configs)
+    # one GPU: world size 1, or ranks of a larger world traced one at a time on the fake process group
+    assert g["device"] == "cuda" and all(c.nproc == 1 or c.ranks for c in configs)
     seen: dict = {}
     for c in configs:
-        report = build_report(["--nproc_per_node", "1", *c.argv])   # the default set: argument validation
+        report = build_report(["--nproc_per_node", str(c.nproc), *c.argv], reserved=False)   # argument validation
         assert report.estimate.max_peak_bytes > 0
         for k, v in switches(report.cfg).items():
             seen.setdefault(k, set()).add(v)
@@ -54,6 +55,15 @@ def test_grid_loads_and_every_config_is_estimated(grid):
                             "recompute": {"none", "selective", "full"}, "dtype": {"bf16", "fp32"},
                             "attention": {"flash", "unfused"}, "softmax_fp32": {True, False}}.items():
             assert values <= seen[key], (key, seen[key])
+    if grid == "gpu_layouts.json":   # every layout dimension and the precisions, within the same budget
+        from fit.gpu_campaign import fit_reserve_seconds
+        ranks = sum(len(c.ranks) for c in configs)
+        assert 120 + ranks * 20 / 6 + fit_reserve_seconds(ranks, 16) < 14 * 60
+        for key, values in {"tp": {True, False}, "sp": {True, False}, "moe": {True, False}, "a2a": {True, False},
+                            "dtype": {"bf16", "fp16", "fp32"}, "recompute": {"none", "selective", "full"},
+                            "epx": {True, False}}.items():
+            assert values <= seen[key], (key, seen[key])
+        assert {c.nproc for c in configs} == {2, 4, 8}
 
 
 def test_grids_match_their_generator():
@@ -62,7 +72,13 @@ def test_grids_match_their_generator():
         import make_gpu
     finally:
         sys.path.remove(str(GRIDS))
-    for name, cfgs in (("gpu_h100", make_gpu.configs()), ("gpu_validate", make_gpu.validate_configs())):
+    sys.path.insert(0, str(GRIDS))
+    try:
+        import make_gpu_layouts
+    finally:
+        sys.path.remove(str(GRIDS))
+    for name, cfgs in (("gpu_h100", make_gpu.configs()), ("gpu_validate", make_gpu.validate_configs()),
+                       ("gpu_layouts", make_gpu_layouts.configs())):
         on_disk = json.loads((GRIDS / f"{name}.json").read_text())["configs"]
         assert [c["name"] for c in cfgs] == [c["name"] for c in on_disk], f"rerun fit/grids/make_gpu.py ({name})"
         assert [c["set"] for c in cfgs] == [c["set"] for c in on_disk]

@@ -397,10 +397,7 @@ def main():
     cfgs = configs() + kernel_configs() + triple_configs(1) + layout_configs() + bf16_configs()
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
-    grid = {"name": "cpu_compose",
-            "description": __doc__.split("\n\n")[0].split(": ", 1)[1],
-            "device": "cpu", "iterations": 2, "base": COMMON, "configs": cfgs}
-    write_grid(grid, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_compose.json"))
+    write_grid("cpu_compose", "cpu", 2, COMMON, cfgs, __doc__, __file__)
 
 
 if __name__ == "__main__":

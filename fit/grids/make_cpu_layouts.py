@@ -56,11 +56,5 @@ def configs() -> list:
     return out
 
 
-def main() -> None:
-    grid = {"name": "cpu_layouts", "device": "cpu", "iterations": 2, "base": COMMON, "configs": configs(),
-            "description": __doc__.split("\n\n")[0]}
-    write_grid(grid, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_layouts.json"))
-
-
 if __name__ == "__main__":
-    main()
+    write_grid("cpu_layouts", "cpu", 2, COMMON, configs(), __doc__, __file__)
