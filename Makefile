@@ -24,6 +24,7 @@ example: $(VENV)/.estimator-ready
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/estimate_llama2_7b.sh
 
 test: $(VENV)/.test-ready
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-ready

@@ -229,7 +229,7 @@ def detail_rows(run_dir: str, ranks_fit: list[dict]) -> list[str]:
         est = ranks_fit[pr.rank]
         lines.append(f"    rank {pr.rank}: measured at {pr.peak_phase}")
         lines.append("      measured KiB: " + ", ".join(f"{k} {_kib(v)}" for k, v in cat.items()))
-        lines.append(f"      fitted   KiB: " + ", ".join(f"{k} {_kib(v)}" for k, v in est["bytes"].items())
+        lines.append("      fitted   KiB: " + ", ".join(f"{k} {_kib(v)}" for k, v in est["bytes"].items())
                      + f"  at {est['peak_phase']}")
     return lines
 

@@ -9,7 +9,9 @@ per in-flight microbatch), `fwd_extra` (transient above the level at chunk entry
 """
 from __future__ import annotations
 
-from estimator._record import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from estimator._record import dataclass
 
 from . import formulas as F
 from . import moe_tokens, transforms

@@ -8,6 +8,12 @@ values of unknown flags reliably; here every unknown flag is kept in `ignored_ar
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # ast is imported where it is used: slow to import, needed for MoE layer patterns only
+    import ast
+
 import math
 
 from estimator import _record, flag_policy, validate as V

@@ -36,6 +36,8 @@ rules on crafted sequences with values derived from the C++ source.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from bisect import bisect_left, insort
 
 MiB = 1 << 20

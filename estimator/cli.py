@@ -4,6 +4,8 @@ Imports no torch and no megatron. Errors in the input are one line on stderr and
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import os
 import sys
 from estimator._record import dataclass

@@ -20,11 +20,13 @@ all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all (n-1)/n, send = me
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
 from estimator import fp8, moe_tokens, sharding
-from estimator.static_memory import DTYPE_BYTES, ParamInfo, buffer_layout, chunk_buffer, ddp_bucket_size, precision
+from estimator.static_memory import DTYPE_BYTES, ParamInfo, chunk_buffer, ddp_bucket_size, precision
 
 
 def _g(cfg: Any, name: str, default: Any = None) -> Any:

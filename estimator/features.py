@@ -3,7 +3,7 @@ whose memory comes from a model of its implementation (no trace measured it), an
 absent. The report and the JSON list them."""
 from __future__ import annotations
 
-from estimator import fp8, fused_softmax, offload, sharding, tp_overlap
+from estimator import fp8, fused_softmax, sharding, tp_overlap
 
 
 def modelled(cfg) -> list[str]:

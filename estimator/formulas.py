@@ -7,6 +7,9 @@ float products once per (set, config) so thousands of estimates per second stay 
 """
 from __future__ import annotations
 
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from fractions import Fraction
+
 import itertools
 import os
 

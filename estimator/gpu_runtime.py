@@ -42,6 +42,8 @@ the allocation stream is needed for that).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import os
 import re
 from bisect import bisect_left, bisect_right

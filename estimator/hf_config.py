@@ -6,6 +6,8 @@ tied embeddings). Only the fields that shape the model are returned; batch, para
 """
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import math
 

@@ -1,6 +1,8 @@
 """Top level: per rank class static memory + schedule-simulated activations -> peak (estimate(cfg, fset))."""
 from __future__ import annotations
 
+from typing import Any, Dict, List, Optional, Union
+
 from estimator._record import dataclass, field
 
 from . import activations as A

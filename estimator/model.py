@@ -10,6 +10,8 @@ EP (whole experts) and expert-TP, shared experts over TP.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from estimator._record import dataclass, field
 from math import prod
 

@@ -9,6 +9,8 @@ estimator must not import torch or megatron.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from estimator._record import dataclass, field
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"

@@ -9,6 +9,8 @@ environment when `torchrun` is replaced), else torch's defaults (torch reads the
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import os
 
 from estimator._record import dataclass, field

@@ -9,6 +9,8 @@ backward) are counted per step by p2p_counts.
 """
 from __future__ import annotations
 
+from typing import List, Optional, Sequence, Tuple
+
 from fractions import Fraction
 from math import isfinite
 

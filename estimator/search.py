@@ -14,6 +14,8 @@ single estimate models it with (estimator.reserved) costs too much per layout.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import sys
 import time
 

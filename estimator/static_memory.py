@@ -7,6 +7,8 @@ themselves move into a (padded) param buffer that the all-gather writes into.
 """
 from __future__ import annotations
 
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
 import math
 from bisect import bisect_left, bisect_right
 from itertools import accumulate

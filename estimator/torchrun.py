@@ -6,6 +6,8 @@ torch.distributed.run's (torch 2.13; tests/test_torchrun_line.py compares it wit
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from estimator._record import dataclass, field
 
 # Options for get-training-info / profile-training-info from the environment (a launch script needs no other edit).

@@ -13,6 +13,8 @@ allowances*, each shown and each overridable:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from bisect import bisect_left
 
 from estimator._record import dataclass, field

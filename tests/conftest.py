@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, port: int, cases: list, results) -> None:
             try:
                 counts = megatron_param_counts(cfg, coords["pp"])
                 results.put((case_id, rank, coords, counts, None))
-            except Exception as exc:  # reported to the parent test, which fails with it
+            except Exception:  # reported to the parent test, which fails with it
                 results.put((case_id, rank, coords, None, traceback.format_exc(limit=-4)))
             parallel_state.destroy_model_parallel()
     finally:

@@ -5,7 +5,6 @@ import shlex
 
 import pytest
 
-from estimator import formulas as F
 from estimator import memory as MEM
 from estimator import sharding
 from estimator.args import ConfigError, parse_args
@@ -21,7 +20,6 @@ def parse(extra):
 
 
 def _fsdp2_worker(rank, world, port, cfg, results):
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding

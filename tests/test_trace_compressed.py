@@ -2,7 +2,6 @@
 same records, names and header through every path spelling, truncation tolerated, corrupt streams a clear error."""
 import gzip
 import lzma
-import os
 import shutil
 import warnings
 

@@ -1,7 +1,6 @@
 """Trace reader on traces written by the real C++ core (host backend): header, records, names, truncation,
 damaged blocks, end states, bad files, format 1 files."""
 import os
-import shutil
 import warnings
 
 import numpy as np
