@@ -242,19 +242,13 @@ KERNEL_SWITCHES = ("fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fus
 
 def untraced_switches(cache) -> dict:
     """The config's kernel switch values that the set never traced, where it traced exactly one value of that
-    switch (so every segment it answered came from that value): {switch: (config's value, traced value)}."""
+    switch (so every segment it answered came from that value): {switch: (config's value, traced value)}. The
+    values compose.untraced_features reads (no mask without dropout)."""
     seen = cache.fset._cache.get("seen switch values") or {}
-    out = {}
-    for item in cache.untraced:
-        k, _, v = item.partition("=")
-        if k in KERNEL_SWITCHES and len(seen.get(k, ())) == 1 and cache.sw.get(k) == _typed(k, v):
-            out[k] = (cache.sw[k], next(iter(seen[k])))
-    return out
-
-
-def _typed(k: str, v: str):
-    """A switch value as untraced_features printed it, back in its type."""
-    return next((x for x in F.SWITCHES[k] if str(x) == v), v)
+    sw = cache.sw
+    return {k: (sw[k], next(iter(seen[k]))) for k in KERNEL_SWITCHES
+            if k in sw and len(seen.get(k, ())) == 1 and sw[k] not in seen[k]
+            and not (k == "dropout_mask" and not sw.get("dropout"))}
 
 
 def untraced_difference(cache, moe_flags, first: bool, last: bool, recv_input: bool):
@@ -312,12 +306,9 @@ def chunk_activations(cache: LayerCache, moe_flags: Sequence[bool], first: bool,
     # Pipeline p2p tensors that outlive their step (sent input gradients, the chunk's last input kept by
     # set_input_tensor, interleaved sends after the pair's backward) depend on the schedule: schedule.p2p_counts.
     acts = fold_chunk(units)
-    relief = transforms.chunk_relief(cache.cfg, layer_kept)
-    if relief:
-        # Offloaded layers leave the GPU during the forward: the saved level and the forward peak (reached at its
-        # end) drop by what left; the backward's transient above the level is unchanged.
-        acts = ChunkActivations(acts.saved - relief, max(acts.fwd_extra - relief, acts.saved - relief),
-                                acts.bwd_extra)
+    saved, fwd = transforms.relieved(cache.cfg, layer_kept, acts.saved, acts.fwd_extra)
+    if saved != acts.saved:
+        acts = ChunkActivations(saved, fwd, acts.bwd_extra)
     return acts, per_op_bytes(units)
 
 

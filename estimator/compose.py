@@ -176,7 +176,7 @@ class ComposedCache:
         if rows is None:
             rows = self._transform_rows[moe] = [
                 (op, (s, max(f, s), -s, b, False)) for op, s, f, b in
-                transforms.layer_rows(self.cfg, self.env, moe, getattr(self.fset, "kind", "") == "modelled")]
+                transforms.layer_rows(self.cfg, self.env, moe, self.fset.kind == "modelled")]
         return [(op, values, op, layer) for op, values in rows]
 
     # ---- sequence
@@ -499,11 +499,7 @@ def chunk_body(cache: ComposedCache, moe_flags, first: bool, last: bool) -> tupl
     items = cache.sequence(moe_flags, first, last)
     rows: list = []
     saved, fwd = _replay_forward(items, 0.0, 0.0, rows)
-    relief = transforms.chunk_relief(cache.cfg, layer_kept(items))
-    if relief:
-        # Offloaded layers leave the device during the forward: the saved level and the forward peak (reached at
-        # its end) drop by what left; the backward's transient above the level is unchanged.
-        saved, fwd = saved - relief, max(fwd - relief, saved - relief)
+    saved, fwd = transforms.relieved(cache.cfg, layer_kept(items), saved, fwd)
     bwd_rows: list = []
     _, bwd = _replay_backward(items, saved, saved, bwd_rows)
     _account(cache, items)
@@ -552,16 +548,13 @@ def _account(cache: ComposedCache, items: list) -> None:
             _account(cache, it[1])
             continue
         label, (fd, _, _, _, measured), _, _ = it
-        if label in _TRANSFORM_LABELS:
+        if label in transforms.LAYER_LABELS:
             cache.saved_modelled += max(fd, 0.0)
         elif measured:
             cache.saved_measured += max(fd, 0.0)
         else:
             cache.saved_extrapolated += max(fd, 0.0)
             cache.extrapolated.add(label)
-
-
-_TRANSFORM_LABELS = transforms.LAYER_LABELS
 
 
 def _op_rows(rows: list, bwd_rows: list) -> list:

@@ -227,6 +227,12 @@ class FormulaSet:
         return bool(self.segments) or self.programs is not None
 
     @property
+    def measured_on_standins(self) -> bool:
+        """Fitted from traces of the built-in harness, which runs Transformer Engine's modules as stand-ins
+        (tracer/standins.py) on CPU and on the H100 alike: every fitted set; the modelled set describes TE itself."""
+        return self.kind != "modelled"
+
+    @property
     def measured_on_gpu(self) -> bool:
         """Fitted from GPU traces only (provenance `backends`, written by fit.programs): its kernel families
         were measured on the GPU itself, not on CPU stand-ins."""

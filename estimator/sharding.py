@@ -9,7 +9,8 @@ dtype); the strategy says which are sharded over the data-parallel (x context-pa
   into temporary buckets just before use.
 Torch FSDP2 (Megatron-LM's TorchFullyShardedDataParallel): fully_shard on each layer and the embedding, the
 parameters (param dtype) and their gradients (param dtype) sharded; the Megatron optimizer keeps fp32 main params
-and Adam states for the local shards (and, during the step, fp32 copies of 16-bit gradients). Expert parameters shard over the expert-data-parallel group.
+and Adam states for the local shards (and, during the step, fp32 copies of 16-bit gradients). Expert parameters
+shard over the expert-data-parallel group.
 
 Temporaries (modelled): while a unit computes, the next one is prefetched, so two units' gathered weights and, in
 backward, two units' unsharded gradients (before their reduce-scatter) are live; without resharding after forward

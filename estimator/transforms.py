@@ -9,7 +9,7 @@ Two kinds:
 - a chunk transform takes bytes off a chunk's saved level given each layer's saved bytes (activation CPU
   offloading).
 Each takes the config, and returns None (or 0) where the config does not use its feature. The feature modules
-register on import (estimator.activations imports them all); the engines call layer_rows and chunk_relief only,
+register on import (estimator.activations imports them all); the engines call layer_rows and relieved only,
 so a new feature is one registered function, whatever set is loaded.
 """
 from __future__ import annotations
@@ -67,7 +67,13 @@ def layer_rows(cfg, env: dict, moe: bool, modelled: bool) -> list:
     return rows
 
 
-def chunk_relief(cfg, layer_kept: list) -> float:
+def relieved(cfg, layer_kept: list, saved: float, fwd: float) -> tuple:
+    """A chunk's (saved, forward peak) after the chunk transforms: bytes that leave the device during the forward
+    lower the saved level and the forward peak (reached at its end); the backward's transient above the level is
+    unchanged."""
     cfg = _fields(cfg)
-    return sum(fn(cfg, layer_kept) or 0.0 for fn in CHUNK.values())
+    relief = sum(fn(cfg, layer_kept) or 0.0 for fn in CHUNK.values())
+    if not relief:
+        return saved, fwd
+    return saved - relief, max(fwd - relief, saved - relief)
 

@@ -103,13 +103,16 @@ def load_grid(path: str) -> tuple[dict, list[Config]]:
     return grid, configs
 
 
-def write_grid(name: str, device: str, iterations: int, base: list, configs: list, doc: str, maker: str) -> None:
-    """Write the grid file <name>.json beside its maker script (fit/grids/make_*.py; its docstring's first paragraph
-    is the description) and say how many configs it has."""
-    desc = doc.split("\n\n")[0]
-    if desc.startswith("Writes ") and ": " in desc:
-        desc = desc.split(": ", 1)[1]     # "Writes fit/grids/x.json: what it is" -> what it is
-    grid = {"name": name, "description": desc, "device": device, "iterations": iterations, "base": base,
+def doc_description(doc: str) -> str:
+    """A grid maker's description from its docstring's first paragraph, "Writes fit/grids/x.json: what it is"."""
+    return doc.split("\n\n")[0].split(": ", 1)[1]
+
+
+def write_grid(name: str, description: str, device: str, iterations: int, base: list, configs: list,
+               maker: str) -> None:
+    """Write the grid file <name>.json beside its maker script (fit/grids/make_*.py) and say how many configs it
+    has."""
+    grid = {"name": name, "description": description, "device": device, "iterations": iterations, "base": base,
             "configs": configs}
     path = os.path.join(os.path.dirname(os.path.abspath(maker)), f"{name}.json")
     with open(path, "w", encoding="utf-8") as fh:

@@ -22,40 +22,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-ENV = "MEMTRACE_FAKE_WORLD"     # set in a worker that runs one rank of a fake world
-
-
 def init(rank: int, world: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     install()
 
 
-def _rank(group) -> int:
-    return dist.get_rank(group)
-
-
 def _fill_gather(out: torch.Tensor, inp: torch.Tensor) -> None:
     flat, k = out.view(-1), inp.numel()
-    src = inp.reshape(-1) if inp.is_contiguous() else None
     for i in range(flat.numel() // max(k, 1)):
-        if src is not None:
-            flat.narrow(0, i * k, k).copy_(src)
-        else:
-            flat.narrow(0, i * k, k).view(inp.shape).copy_(inp)
+        flat.narrow(0, i * k, k).view(inp.shape).copy_(inp)    # views and an in-place copy: nothing allocated
 
 
 def install() -> None:
-    """Wrap the collectives megatron-core calls (bound by name at its import: call before importing it)."""
-    if getattr(dist.all_reduce, "_memtrace_fake", False):
+    """Wrap the collectives megatron-core calls (bound by name at its import: call before importing it). The
+    all-reduce needs no wrapper: the fake group's leaves the rank's own values."""
+    if getattr(dist.all_gather_into_tensor, "_memtrace_fake", False):
         return
     orig = {name: getattr(dist, name) for name in (
-        "all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
+        "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
         "all_gather", "all_to_all_single", "batch_isend_irecv")}
     from torch.distributed import distributed_c10d as c10d
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return orig["all_reduce"](tensor, op=op, group=group, async_op=async_op)   # the rank's own values
 
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
         work = orig["all_gather_into_tensor"](output_tensor, input_tensor, group=group, async_op=async_op)
@@ -68,7 +55,7 @@ def install() -> None:
     def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         work = orig["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
         k = output.numel()
-        output.view(-1).copy_(input.view(-1).narrow(0, _rank(group) * k, k))
+        output.view(-1).copy_(input.view(-1).narrow(0, dist.get_rank(group) * k, k))
         return work
 
     def _reduce_scatter_base(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -100,7 +87,7 @@ def install() -> None:
                     op.tensor.zero_()
         return works
 
-    for fn in (all_reduce, all_gather_into_tensor, _all_gather_base, reduce_scatter_tensor, _reduce_scatter_base,
+    for fn in (all_gather_into_tensor, _all_gather_base, reduce_scatter_tensor, _reduce_scatter_base,
                all_gather, all_to_all_single, batch_isend_irecv):
         fn._memtrace_fake = True
         setattr(dist, fn.__name__, fn)

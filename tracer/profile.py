@@ -536,17 +536,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _worker_env(one_thread: bool, **rank_vars) -> dict:
+    """A worker process's environment: its rank variables, this package on the path, and on CPU one thread (N
+    ranks share the cores; a fake world's rank runs as its gloo twin does, whose kernels' per-thread buffers, a
+    CPU layer norm's backward, then have the same size)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **{k: str(v) for k, v in rank_vars.items()}, **{_WORKER_ENV: "1"})
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
+    if one_thread:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def spawn_cpu(opts: Options, argv: list[str], world: int) -> int:
     """Start `world` gloo worker processes of this module and wait; if one fails, stop the rest."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   **{_WORKER_ENV: "1"})
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
-        env.setdefault("OMP_NUM_THREADS", "1")   # N ranks share the cores; threads would oversubscribe them
+        env = _worker_env(True, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, "-m", "tracer.profile", *argv], env=env))
     rc = 0
     while procs:
@@ -581,16 +589,9 @@ def relaunch_torchrun(opts: Options, argv: list[str]) -> int:
 
 def spawn_fake(opts: Options, argv: list[str], world: int, ranks: list) -> int:
     """Each rank of the fake world in its own worker process, one after another (each alone: a fresh trace)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rc = 0
     for rank in ranks:
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1",
-                   **{_WORKER_ENV: "1"})
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else root
-        if opts.cpu:
-            # as a gloo world's ranks run (spawn_cpu): one thread each, so the kernels' per-thread buffers (a CPU
-            # layer norm's backward) are the same size in a rank and in its fake twin
-            env.setdefault("OMP_NUM_THREADS", "1")
+        env = _worker_env(opts.cpu, RANK=rank, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_WORLD_SIZE=1)
         code = subprocess.call([sys.executable, "-m", "tracer.profile", *argv], env=env)
         rc = rc or code
     return rc

@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from fit.campaign import write_grid  # noqa: E402
+from fit.campaign import doc_description, write_grid  # noqa: E402
 
 COMMON = ["--num-layers", "2", "--max-position-embeddings", "256", "--make-vocab-size-divisible-by", "64",
           "--transformer-impl", "local", "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -397,7 +397,7 @@ def main():
     cfgs = configs() + kernel_configs() + triple_configs(1) + layout_configs() + bf16_configs()
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
-    write_grid("cpu_compose", "cpu", 2, COMMON, cfgs, __doc__, __file__)
+    write_grid("cpu_compose", doc_description(__doc__), "cpu", 2, COMMON, cfgs, __file__)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from fit.campaign import write_grid  # noqa: E402
+from fit.campaign import doc_description, write_grid  # noqa: E402
 
 COMMON = ["--max-position-embeddings", "256", "--make-vocab-size-divisible-by", "64", "--transformer-impl", "local",
           "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0", "--swiglu", "--normalization",
@@ -57,4 +57,4 @@ def configs() -> list:
 
 
 if __name__ == "__main__":
-    write_grid("cpu_layouts", "cpu", 2, COMMON, configs(), __doc__, __file__)
+    write_grid("cpu_layouts", doc_description(__doc__), "cpu", 2, COMMON, configs(), __file__)

@@ -9,10 +9,9 @@ milliseconds (2 layers). Configs are ordered shape round by shape round (every c
 every second shape, ...), so a campaign cut short by its time budget still covers every combination.
 Run: python fit/grids/make_gpu.py
 """
-import json
-import os
-
 from make_cpu_compose import LLAMA, TOGGLES, shape_flags  # noqa: E402 (run as a script from this directory)
+
+from fit.campaign import write_grid  # make_cpu_compose put the repository on the path
 
 COMMON = ["--num-layers", "2", "--max-position-embeddings", "4096", "--make-vocab-size-divisible-by", "128",
           "--transformer-impl", "transformer_engine", "--bf16", "--seed", "1234", "--hidden-dropout", "0",
@@ -118,13 +117,7 @@ def _write(name: str, description: str, cfgs: list, iterations: int) -> None:
         for key in ("unset", "flags"):
             if not c[key]:
                 del c[key]
-    grid = {"name": name, "description": description, "device": "cuda", "iterations": iterations, "base": COMMON,
-            "configs": cfgs}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(grid, fh, indent=1)
-        fh.write("\n")
-    print(f"wrote {path}: {len(cfgs)} configs")
+    write_grid(name, description, "cuda", iterations, COMMON, cfgs, __file__)
 
 
 def main():

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fit.campaign import write_grid  # noqa: E402
+from fit.campaign import doc_description, write_grid  # noqa: E402
 from make_gpu import COMMON  # noqa: E402
 
 BASES = {"gpt": {}, "llama": {"--swiglu": True, "--normalization": "RMSNorm", "--position-embedding-type": "rope",
@@ -73,4 +73,4 @@ def configs() -> list:
 
 
 if __name__ == "__main__":
-    write_grid("gpu_layouts", "cuda", 3, COMMON, configs(), __doc__, __file__)
+    write_grid("gpu_layouts", doc_description(__doc__), "cuda", 3, COMMON, configs(), __file__)
