@@ -76,14 +76,14 @@ def compare(name: str, scales, confs, fset: str = SET, packed: str = PACKED) -> 
     the path of a run directory."""
     path = name if os.path.isdir(name) else os.path.join(packed, name)
     name = os.path.basename(os.path.normpath(path))
-    cfg, _ = run_config(path)
+    cfg, hdr = run_config(path)
     est = estimate(cfg, fset, device="cpu")   # a CPU trace: no GPU runtime buffers
     synth = {}
     rows = []
     for pr in parse_run(path):
         stage = int((pr.header.get("coords") or {}).get("pp", 0))
         if stage not in synth:
-            synth[stage] = stage_stream_events(cfg, fset, est, stage)
+            synth[stage] = stage_stream_events(cfg, fset, est, stage, hdr.get("iterations", 2))   # as the run
         real = allocation_events(pr)
         for k in scales:
             for label, conf in confs:

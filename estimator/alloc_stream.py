@@ -6,7 +6,7 @@ What becomes a tensor (megatron-core 0.16.1, checked in its code):
   contiguous param buffer per model chunk and dense|expert group (_ParamAndGradBuffer: torch.zeros(numel)), copies
   each parameter into it and frees the original; the grad buffer is one more contiguous tensor per group;
 - optimizer: fp32 master copies per parameter (or per shard with the distributed optimizer) at construction when
-  the parameters are 16-bit; Adam's exp_avg / exp_avg_sq (SGD's momentum) per parameter or shard, created by the
+  the parameters are 16-bit, each made as `clone().float()` (a 16-bit clone freed once the copy exists); Adam's exp_avg / exp_avg_sq (SGD's momentum) per parameter or shard, created by the
   first step (torch creates optimizer state lazily), in the step's parameter order
   (static_memory.optimizer_groups); what the per-parameter split does not cover (fp8 weights, sharded data
   parallelism, a distributed-optimizer shard rounding) is one more tensor;
@@ -22,10 +22,13 @@ What becomes a tensor (megatron-core 0.16.1, checked in its code):
   frees the microbatch's most recent tensors (splitting the last one); the backward replays the segments in
   reverse; full-recompute groups keep their input and re-run their forward in the backward;
 - pipeline p2p tensors (schedule.p2p_counts) as hidden-state-sized tensors, the local attention's global buffer
-  from the first forward on.
+  from the first forward on;
+- GPU runtime buffers (estimator.gpu_runtime) from start-up, but torch's two cuBLAS workspaces, which each thread's
+  first GEMM makes: the first forward's first linear layer, the first backward's (H100 request streams).
 Sharded data parallelism's buffers are one tensor each; offloaded activations are not taken off the stream (its
-allocated peak is then above the estimate's). Two iterations are replayed (the first creates the optimizer state
-after its activations, the second runs with it). Microbatches past the first few repeat the steady 1F1B pattern,
+allocated peak is then above the estimate's). Three iterations are replayed (the first creates the optimizer state
+after its activations, the second runs with it, the third repeats the second tensor for tensor: on H100 runs the
+allocator still reserved new segments in it). Microbatches past the first few repeat the steady 1F1B pattern,
 so a stage replays at most MAX_GROUPS microbatch groups (a group: pp microbatches) plus the last partial one: the
 allocated peak is unchanged by that and the reserved one moved by under 2% of its excess over allocated on 70B
 layouts (against 8 groups), at a quarter of the cost. Fragmentation is
@@ -45,18 +48,19 @@ from .compose import ckpt_keeps, grad_due
 from .static_memory import DTYPE_BYTES, chunk_buffer, dp_layout, optimizer_groups, precision
 
 MAX_GROUPS = 1       # microbatch groups replayed before the last partial one (the steady state repeats after)
-ITERATIONS = 2
+ITERATIONS = 3   # the third settles the allocator's segments (H100: reserved still grew in it)
 
 
 class Stream:
     """Events ("a", id, bytes) / ("f", id), the input of caching_allocator.replay. labelled: also keep what each
     tensor is (`tags`: id -> the `tag` set when it was allocated: a category or a segment's label), for a memory
     snapshot (estimator.snapshot)."""
-    __slots__ = ("events", "_n", "tag", "tags", "marks")
+    __slots__ = ("events", "_n", "tag", "tags", "marks", "at_gemm")
 
     def __init__(self, labelled: bool = False):
         self.events: list = []
         self._n = 0
+        self.at_gemm: list = []     # bytes to allocate before the next GEMM's program (a thread's cuBLAS workspace)
         self.tag = "other"
         self.tags: Optional[dict] = {} if labelled else None
         self.marks: Optional[list] = [] if labelled else None   # (event index, phase) where a phase starts
@@ -82,6 +86,38 @@ class Stream:
     def spike(self, nbytes) -> None:
         """A transient: allocated and freed at once."""
         self.free(self.alloc(nbytes))
+
+    def repeat(self, start: int, carried: dict, live: list) -> list:
+        """Append a copy of the events from `start` on, each tensor with a fresh id (and its tag and the phase
+        marks); a free of a tensor from before `start` frees the one `carried` maps it to. Returns `live` (ids
+        alive at the copied part's end) as the copy's ids."""
+        end, fresh = len(self.events), {}
+        for e in self.events[start:end]:
+            if e[0] == "a":
+                self._n += 1
+                fresh[e[1]] = self._n
+                self.events.append(("a", self._n, e[2]))
+                if self.tags is not None:
+                    self.tags[self._n] = self.tags[e[1]]
+            else:
+                self.events.append(("f", fresh.get(e[1]) or carried[e[1]]))
+        if self.marks is not None:
+            self.marks += [(k - start + end, phase) for k, phase in self.marks if start <= k < end]
+        return [fresh.get(i) or carried.get(i, i) for i in live]
+
+    def before(self, label: str) -> None:
+        """Called before a segment's program plays: what waits for a GEMM is allocated before a linear layer's."""
+        if self.at_gemm and _is_gemm(label):
+            tag, self.tag = self.tag, "gpu runtime"
+            for nbytes in self.at_gemm:
+                self.alloc(nbytes)
+            self.at_gemm, self.tag = [], tag
+
+
+def _is_gemm(label: str) -> bool:
+    """A segment label of a module whose forward and backward are GEMMs (megatron's linear layers, the router)."""
+    last = label.rsplit(".", 1)[-1]
+    return "@" not in last and (last.startswith("linear") or last in ("output_layer", "router"))
 
 
 class _Stack:
@@ -295,6 +331,7 @@ def _composed(items: list, h: float, cache) -> list:
 def _forward(prog: list, stack: _Stack) -> None:
     for it in prog:
         if it[0] == "prog":
+            stack.st.before(it[6])
             stack.st.tag = it[6]
             stack.play(it[5][0])
         elif it[0] == "seg":
@@ -321,6 +358,7 @@ def _backward(prog: list, stack: _Stack, hold: Optional[list] = None) -> None:
             above_retains = False
         if it[0] in ("prog", "seg"):
             if it[0] == "prog":
+                stack.st.before(it[6])
                 stack.st.tag = it[6] + " (backward)"
                 stack.play(it[5][1])
             elif len(it) > 5:
@@ -399,7 +437,11 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
         budget = static.optimizer_bytes
         for n in _step_order(cfg, chunks, pp_rank):
             if 4 * n <= budget:
+                # megatron-core builds each as `param.clone().float()` (shard.clone().float() with the distributed
+                # optimizer): a 16-bit clone, freed once the fp32 copy exists; its hole is where later tensors go
+                clone = st.alloc(n * pb)
                 st.alloc(4 * n)
+                st.free(clone)
                 total += 4 * n
                 budget -= 4 * n
     return total
@@ -478,11 +520,12 @@ def replayed_microbatches(M: int, group: int) -> int:
 
 def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: float = 0.0,
                  iterations: int = ITERATIONS, attn_buffer: float = 0.0, runtime: tuple = (),
-                 labelled: bool = False) -> Stream:
+                 labelled: bool = False, repeat: bool = True) -> Stream:
     """The allocation stream of one pipeline stage (module docstring). static: the stage's StaticMemory;
     base_extra: other persistent bytes from start-up (userbuffers); attn_buffer: allocated by the first forward;
-    runtime: the GPU runtime buffers' sizes (runtime_tensors), persistent from start-up; labelled: the stream
-    keeps what each tensor is (Stream.tags)."""
+    runtime: the GPU runtime buffers (runtime_tensors: bytes and the phase that allocates each); labelled: the stream
+    keeps what each tensor is (Stream.tags); repeat: iterations after the second are copies of it (False: each
+    generated anew, the same events)."""
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     vp_arg = vpp if vpp > 1 else None
@@ -495,8 +538,12 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
     st.tag = "other"
     st.alloc(base_extra)
     st.tag = "gpu runtime"
-    for nbytes in runtime:
-        st.alloc(nbytes)
+    pending = {}    # phase kind -> runtime tensors its first step allocates
+    for nbytes, when in runtime:
+        if when == "start-up":
+            st.alloc(nbytes)
+        else:
+            pending.setdefault(when, []).append(nbytes)
     progs = []
     for c in stage_chunks:
         _, kinds, first, last = c.key
@@ -516,7 +563,18 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
         while len(held) > n:
             st.free(held.pop())
 
+    starts, held_at_end = [], []     # per iteration: where its events start, the p2p tensors live at its end
     for it in range(iterations):
+        if it >= 2 and repeat:
+            # From the second on, an iteration repeats the one before it tensor for tensor (the first creates the
+            # optimizer state): its events are copied with fresh ids, the p2p tensors carried into it standing for
+            # those the one before received.
+            copy_start = len(st.events)
+            held[:] = st.repeat(starts[-1], dict(zip(held_at_end[-2], held_at_end[-1])), held)
+            starts.append(copy_start)
+            held_at_end.append(list(held))
+            continue
+        starts.append(len(st.events))
         stacks: dict = {}
         for i, (kind, mb, c) in enumerate(steps):
             st.mark(kind)
@@ -524,6 +582,11 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
             if it == 0 and i == 0:
                 st.tag = "attention buffer"
                 st.alloc(attn_buffer)
+            if pending.get(kind):
+                # at the phase's first GEMM where the chunk's ops are programs (labelled), else at its start
+                st.at_gemm = pending.pop(kind)
+                if not any(it[0] == "prog" for it in progs[c]):
+                    st.before("linear")
             if kind == "F":
                 stack = stacks[(mb, c)] = _Stack(st)
                 _forward(progs[c], stack)
@@ -536,6 +599,7 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
         if it == 0:
             _first_step_state(cfg, st, stage_chunks, pp_rank, static.total_bytes - made)
         _step_transient(cfg, st, stage_chunks, pp_rank, static)
+        held_at_end.append(list(held))
     return st
 
 
@@ -546,7 +610,7 @@ def _context(cfg, formula_set) -> tuple:
     return A.cache_for(fset, cfg), memory.all_param_chunks(cfg)
 
 
-def _stage_events(cfg, ctx, rank, iterations: int, labelled: bool = False):
+def _stage_events(cfg, ctx, rank, iterations: int, labelled: bool = False, repeat: bool = True):
     """The stage's stream events; labelled: the Stream itself (its tags kept)."""
     from . import tp_overlap
     from .static_memory import attention_buffer_bytes
@@ -557,18 +621,23 @@ def _stage_events(cfg, ctx, rank, iterations: int, labelled: bool = False):
     st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static,
                       tp_overlap.buffer_bytes(cfg) + persistent_state.stage_bytes(cfg, chunks), iterations,
                       attention_buffer_bytes(cfg, cache.fset.measured_on_standins) if has_layers else 0.0,
-                      runtime_tensors(rank), labelled)
+                      runtime_tensors(rank), labelled, repeat)
     return st if labelled else st.events
 
 
 def runtime_tensors(rank) -> list:
-    """The stage's GPU runtime buffers (estimator.gpu_runtime) as tensors allocated at start-up: each item's
-    `count` buffers of equal size. The 512-byte block rounding is not a tensor: the replay rounds every block."""
+    """The stage's GPU runtime buffers (estimator.gpu_runtime) as tensors: (bytes, when), each item's `count`
+    buffers of equal size, `when` the phase kind whose first step allocates it ("F", "B") or "start-up". torch's
+    cuBLAS workspaces are made by each thread's first GEMM: the training loop's in the first forward, autograd's
+    in the first backward (measured on H100: the allocator's request stream). The 512-byte block rounding is not
+    a tensor: the replay rounds every block."""
+    from .gpu_runtime import TORCH_THREADS, TORCH_WORKSPACES
     out = []
     for it in getattr(rank, "gpu_runtime", None) or []:
         if it.count <= 0:
             continue
-        out += [it.bytes / it.count] * it.count
+        whens = ("F", "B") if it.name == TORCH_WORKSPACES and it.count == TORCH_THREADS else ("start-up",) * it.count
+        out += [(it.bytes / it.count, w) for w in whens]
     return out
 
 

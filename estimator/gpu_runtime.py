@@ -57,6 +57,7 @@ BLOCK = 512
 MiB = 1 << 20
 TE_STREAMS = 4   # transformer_engine/common/util/multi_stream.cpp get_num_compute_streams
 TORCH_THREADS = 2  # the training loop's thread and autograd's CUDA device thread: one cuBLAS handle each
+TORCH_WORKSPACES = "torch cuBLAS workspaces"
 ENV_VARS = ("CUBLAS_WORKSPACE_CONFIG",)
 _CONFIG = re.compile(r":([0-9]+):([0-9]+)")
 
@@ -174,7 +175,7 @@ def stage_items(cfg, stage_chunks, pp_rank: int, env: Optional[dict] = None, mem
         return _global_buffer_items(c, has_layers, has_output, has_moe)
     conf = (environment() if env is None else env).get("CUBLAS_WORKSPACE_CONFIG")
     ws = round_block(cublas_workspace_bytes(conf))
-    items = [Item("torch cuBLAS workspaces", TORCH_THREADS * ws, TORCH_THREADS,
+    items = [Item(TORCH_WORKSPACES, TORCH_THREADS * ws, TORCH_THREADS,
                   f"{ws / MiB:g} MiB each (CUBLAS_WORKSPACE_CONFIG={conf})" if conf else
                   f"{ws / MiB:g} MiB each (H100 default: CUBLAS_WORKSPACE_CONFIG unset)")]
     if has_layers and c.te:

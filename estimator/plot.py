@@ -1,7 +1,7 @@
 """`--png FILE`: each pipeline stage's predicted memory at tensor resolution, stacked by category.
 
 The picture is the predicted allocation stream (estimator.alloc_stream, the one the reserved-memory model and
---memory-snapshot replay): every tensor allocated and freed in order over start-up and two iterations, so each
+--memory-snapshot replay): every tensor allocated and freed in order over start-up and three iterations, so each
 forward and backward shows its sawtooth, not one block per microbatch. Drawn in the look of the tracer's timeline
 (tracer/export.py: one panel per rank, MiB on y, forward / backward / optimizer marked in the same colours, the
 peak marked and labelled) so a prediction and a measured run can be laid side by side; x is the allocation
@@ -128,7 +128,7 @@ def save(report, path: str) -> None:
         ax.grid(alpha=0.3, lw=0.5)
     handles, labels = axes[0, 0].get_legend_handles_labels()   # the same layers and phases on every panel
     fig.legend(handles, labels, loc="upper center", fontsize=7, ncol=len(labels), frameon=False)
-    axes[-1, 0].set_xlabel("allocation event (start-up, then two iterations: every tensor allocated and freed)")
+    axes[-1, 0].set_xlabel("allocation event (start-up, then three iterations: every tensor allocated and freed)")
     height = fig.get_figheight()
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / height))
     try:

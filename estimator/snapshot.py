@@ -2,7 +2,7 @@
 which PyTorch's memory_viz (https://pytorch.org/memory_viz, torch.cuda._memory_viz) opens, so a prediction sits
 beside a snapshot of the real run (or tracer.export's snapshot of a traced one) in the same viewer.
 
-Each pipeline stage is one device (stage r as device r). Its stream (estimator.alloc_stream, two iterations) is
+Each pipeline stage is one device (stage r as device r). Its stream (estimator.alloc_stream, three iterations) is
 replayed through the caching-allocator model (estimator.caching_allocator), which gives every tensor its address
 and every new segment its cudaMalloc: `device_traces` holds segment_alloc / alloc / free_requested /
 free_completed entries in stream order (time_us is the event's index), `segments` the allocator's state after

@@ -88,10 +88,10 @@ def test_a_packed_run_beside_its_own_snapshot(run):
     import reserved_model as RM
     from tracer.export import to_snapshot
     path = os.path.join(RM.PACKED, run)
-    cfg, _ = RM.run_config(path)
+    cfg, hdr = RM.run_config(path)
     est = estimate(cfg, "cpu_compose", device="cpu")
     real = to_snapshot(RM.parse_run(path))["device_traces"][0]
-    pred = SN.predicted_snapshot(cfg, "cpu_compose", est)["device_traces"][0]
+    pred = SN.predicted_snapshot(cfg, "cpu_compose", est, iterations=hdr["iterations"])["device_traces"][0]
     (_, real_peak), (_, pred_peak) = _replayed(real), _replayed(pred)
     assert abs(pred_peak - real_peak) <= 0.02 * real_peak
     real_n = sum(1 for e in real if e["action"] == "alloc" and e["category"] != "optimizer"

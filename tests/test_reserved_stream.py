@@ -58,13 +58,13 @@ def test_stream_carries_the_estimate(args):
     for r in est.ranks:
         events = AS.stage_stream_events(cfg, rep.formula_set, est, r.pp_rank)
         peak, end = _live(events)
-        # After two iterations only the static memory is live: weights, grads, optimizer states, exactly (the
+        # After the iterations only the static memory is live: weights, grads, optimizer states, exactly (the
         # stream's tensors are whole bytes; the static figures are integers), and the pipeline's p2p tensors that
         # the model chunks keep across iterations (an input and its gradient per receiving chunk).
         hidden = int(AS._context(cfg, rep.formula_set)[0].hidden)
         vpp = cfg.virtual_pipeline_model_parallel_size or 1
         kept = 0 if cfg.pipeline_model_parallel_size == 1 else 2 * (vpp - (r.pp_rank == 0))
-        runtime = sum(AS.runtime_tensors(r))     # GPU runtime buffers, persistent from start-up
+        runtime = sum(n for n, _ in AS.runtime_tensors(r))     # GPU runtime buffers, persistent once allocated
         # the rotary cache and the MoE layers' routing state (estimator.persistent_state)
         kept_state = persistent_state.stage_bytes(cfg, AS._context(cfg, rep.formula_set)[1][r.pp_rank])
         assert end == r.static.total_bytes + kept * hidden + runtime + kept_state
@@ -91,6 +91,53 @@ def test_static_tensors_as_megatron_makes_them():
         "master_params_bytes"]
     sizes = sorted((e[2] for e in st.events if e[0] == "a"), reverse=True)
     assert sizes[0] == r.static.grad_buffer_bytes and sizes[1] == r.static.weights_bytes   # 4 B vs 2 B per elem
+
+
+def test_master_copies_are_cloned_then_converted():
+    # megatron-core makes each fp32 master copy as `param.detach().clone().float()` (the shard's, with the
+    # distributed optimizer): a 16-bit clone, the fp32 copy, then the clone is freed
+    for args in ("--preset llama2_7b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+                 CASES[0]):
+        rep = build_report(shlex.split(BASE + args))
+        r = rep.estimate.ranks[0]
+        st = AS.Stream()
+        AS._init_static(rep.cfg, st, AS._context(rep.cfg, rep.formula_set)[1][0], 0, r.static)
+        ev = st.events
+        masters = [i for i, e in enumerate(ev) if e[0] == "a" and i + 2 < len(ev) and ev[i + 2] == ("f", e[1])]
+        assert masters and len(masters) == len(AS._step_order(rep.cfg, AS._context(rep.cfg, rep.formula_set)[1][0], 0))
+        for i in masters:
+            assert ev[i + 1][2] == 2 * ev[i][2]      # bf16 clone, then its fp32 copy
+
+
+def test_cublas_workspaces_come_with_the_first_gemms():
+    # torch allocates a thread's cuBLAS workspace at its first GEMM (measured on H100: the allocator's own request
+    # stream); the training loop's thread in the first forward, autograd's in the first backward
+    from estimator.gpu_runtime import TORCH_WORKSPACES
+    rep = build_report(shlex.split(BASE + "--preset llama2_7b --tensor-model-parallel-size 2 --formulas gpu_h100"))
+    r = rep.estimate.ranks[0]
+    ws = next(it for it in r.gpu_runtime if it.name == TORCH_WORKSPACES)
+    st = AS._stage_events(rep.cfg, AS._context(rep.cfg, rep.formula_set), r, 1, labelled=True)
+    allocs = [(k, e) for k, e in enumerate(st.events) if e[0] == "a"]
+    at = [j for j, (_, e) in enumerate(allocs) if st.tags[e[1]] == "gpu runtime" and e[2] == ws.bytes / ws.count]
+    assert len(at) == 2
+    first = {phase: k for k, phase in reversed(st.marks)}
+    for j, phase in zip(at, ("F", "B")):
+        k, _ = allocs[j]
+        assert k > first[phase]
+        nxt = st.tags[allocs[j + 1][1][1]]
+        assert AS._is_gemm(nxt.removesuffix(" (backward)")), nxt
+
+
+@pytest.mark.parametrize("args", CASES[:2] + CASES[4:5])
+def test_repeated_iterations_are_the_generated_ones(args):
+    # the third iteration is a copy of the second (fresh ids, p2p tensors carried across): the same events as
+    # generating it
+    rep = build_report(shlex.split(BASE + args))
+    ctx = AS._context(rep.cfg, rep.formula_set)
+    for r in rep.estimate.ranks:
+        copied = AS._stage_events(rep.cfg, ctx, r, 4, labelled=True)
+        made = AS._stage_events(rep.cfg, ctx, r, 4, labelled=True, repeat=False)
+        assert copied.events == made.events and copied.tags == made.tags and copied.marks == made.marks
 
 
 def test_microbatches_replayed_cover_the_schedule():
