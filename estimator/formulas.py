@@ -83,6 +83,10 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # SelfAttention reshapes the query [s, b, g, a/g * d] -> [s, b, a, d]: a copy only where a rank has more than
     # one query group and more than one head per group (MHA and one group per rank, MQA or g <= TP, get a view).
     "qcopy": (True, False),
+    # Where SelfAttention hands the query on as a view of the QKV projection with one group per rank and more than
+    # one head ([s, b, 1, a*d] viewed as [s, b, a, d]), the unfused core attention's reshape to [s, b*a, d] is a
+    # copy unless b = 1 (the merged dimensions' strides disagree); a rotated query is a new contiguous tensor.
+    "qcore": (True, False),
     # MoE with the all-to-all token dispatcher (permutes its tokens and exchanges them over EP; the allgather one
     # gathers every token over the expert group): the same ops, other tensors.
     "a2a": (True, False),
@@ -778,6 +782,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,
         "qcopy": 1 < g_rank < a_rank,
+        "qcore": kern["attention"] == "unfused" and g_rank == 1 < a_rank and v["b"] > 1
+        and pos not in ("rope", "mrope", "yarn"),
         "a2a": bool(v["E"]) and _get(cfg, "moe_token_dispatcher_type", "allgather") == "alltoall",
         "le1": bool(v["E"]) and v["E"] <= max(1, v["ep"]),
         "epx": bool(v["E"]) and v["ep"] > 1,

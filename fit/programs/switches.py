@@ -11,7 +11,7 @@ from estimator.compose import STRUCTURE_SWITCHES   # the estimator checks combin
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
 ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization", "gqa",
          "dropout", "sp", "dtype", "softmax_fp32", "tp", "bias", "tied", "fuse_act", "fuse_softmax", "fuse_rope",
-         "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "a2a", "le1", "epx", "pre_softmax")
+         "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore", "a2a", "le1", "epx", "pre_softmax")
 
 # The switches that can change a label's allocations, where fewer than all (the longest matching label prefix
 # applies; a label without one may depend on any switch): a split on any other switch can only be a coincidence of
@@ -40,8 +40,8 @@ RELEVANT = {
     "loss": ("spec", "dtype", "tp", "sp", "mb1", "fuse_ce"),
     "step@loss": ("spec", "dtype", "tp", "sp", "mb1", "fuse_ce", "normalization", "position"),
     "embedding@": _EMBEDDING,
-    "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "dropout", "dropout_mask",
-                                              "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
+    "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "qcore", "dropout",
+                                              "dropout_mask", "softmax_fp32", "bias", "fuse_softmax", "fuse_rope"),
     # (and dropout: the bias-dropout-add after the MLP hands its last linear's backward a gradient of its own under
     # dropout, which that backward frees, and a shared one without)
     "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "a2a", "activation", "bias", "fuse_act", "dropout",
