@@ -352,7 +352,7 @@ def untraced_features(cfg, sw: dict, fset) -> list:
                     seen_values.setdefault(k, set()).update(vals)
         # A set fitted before the kernel switches existed saw only the CPU kernels.
         for k, v in F.CPU_KERNELS.items():
-            if k != "fuse_bda":     # recorded since program sets: a set without it never told it apart
+            if k not in ("fuse_bda", "collectives"):   # recorded since program sets: older sets never told them apart
                 seen_values.setdefault(k, {v})
         seen_values.setdefault("fuse_ce", {"none"})   # a set fitted before this switch existed
     for k, v in sw.items():

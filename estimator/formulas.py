@@ -74,6 +74,10 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # the bias-dropout-add into the residual stream as one fused (jit) function or as separate ops
     "fuse_bda": (True, False),
     "dropout_mask": ("byte", "dtype"),
+    # How collectives get their buffers: gloo (the CPU runs) stages a flat copy of what it reduces or gathers and
+    # frees some tensors on its own thread; NCCL on a GPU, and torch's fake process group that traces one rank of a
+    # larger world (tracer/fake_world.py), work on the tensors megatron-core hands them.
+    "collectives": ("gloo", "direct"),
     # --cross-entropy-loss-fusion and its --cross-entropy-fusion-impl: the native one's scripted kernels hold one
     # more fp32 copy of the logits in forward on a GPU (measured on H100), TE's is its own kernel
     "fuse_ce": ("none", "native", "te"),
@@ -667,7 +671,7 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
 # What the built-in harness ran on CPU before the GPU stand-ins (tracer/standins.py), whatever the flags: the local
 # spec, no fused kernel, eager CPU dropout. Traces without a `kernels` record in their header ran this.
 CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse_softmax": False,
-               "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False}
+               "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False, "collectives": "gloo"}
 
 
 def softmax_batch_per_block(sk: int) -> int:
@@ -709,6 +713,7 @@ def kernels(cfg: Any) -> Dict[str, Any]:
                           and _get(cfg, "position_embedding_type", "learned_absolute") in ("rope", "yarn")),
         "dropout_mask": "byte",
         "fuse_bda": bool(_get(cfg, "bias_dropout_fusion", True)),
+        "collectives": "direct",
     }
 
 
@@ -777,7 +782,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False)
         and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask",
-                                     "fuse_bda")},
+                                     "fuse_bda", "collectives")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,

@@ -206,6 +206,10 @@ def header_kernels(hdr: dict) -> dict:
         # CPU_OVERRIDES), a GPU run follows its flags
         cfg = hdr.get("config") or {}
         out["fuse_bda"] = hdr.get("backend") == "cuda" and bool(cfg.get("bias_dropout_fusion", True))
+    if "collectives" not in (kern or {}):
+        # recorded since the fake process group: the header's process group says it
+        pg = hdr.get("process_group") or ("nccl" if hdr.get("backend") == "cuda" else "gloo")
+        out["collectives"] = "gloo" if pg == "gloo" else "direct"
     return out
 
 

@@ -102,19 +102,21 @@ def test_a_campaign_grid_traces_chosen_ranks_of_a_fake_world(tmp_path):
 
 
 def test_committed_layout_runs_that_the_cpu_set_carries_exactly():
-    """fit/traces/cpu_layouts: the grid's runs (ranks of worlds of 4 and 8 on the fake group), held out from
-    cpu_compose (fitted on at most two processes). TP 4 with SP (MHA and GQA, fp32 and bf16) and PP 4 in fp32,
-    interleaved or not, are predicted within 0.1% on every traced rank; where they are not (TP 8: one head per
-    rank; bf16 pipelines and MoE +1..+1.6%), docs/ACCURACY.md says so."""
+    """fit/traces/cpu_layouts: the grid's runs (ranks of worlds of 4 and 8 on the fake group), fitted into
+    cpu_compose beside its gloo runs (the `collectives` switch keeps their programs apart). TP 4 and TP 8 with and
+    without SP, PP 4 in fp32, interleaved or not, and TP x PP x DP are carried within 0.1% on every traced rank;
+    the rest (bf16 pipelines, MoE over 4 and 8 expert ranks) within -0.6% .. +1.6% (a bf16 PP 4 last stage
+    -0.59%: docs/ACCURACY.md)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from packed_runs import rank_peaks
     from estimator import formulas as F
     fset = F.load("cpu_compose")
     runs = ROOT / "fit" / "traces" / "cpu_layouts"
-    names = sorted(p.name for p in runs.iterdir() if p.name.startswith(("tp4_", "pp4_fp32", "pp4_vpp2")))
-    assert len(names) == 10
+    names = sorted(p.name for p in runs.iterdir() if (p / "campaign.json").is_file())
+    assert len(names) == 26
     for name in names:
         predicted, measured, _ = rank_peaks(str(runs / name), fset)
-        assert len(measured) in (1, 3)
+        assert len(measured) in (1, 2, 3)
+        close = name.startswith(("tp4_", "tp8_", "pp4_fp32", "pp4_vpp2", "tp2_pp2"))
         for p, m in zip(predicted, measured):
-            assert abs(p - m) <= 0.001 * m, (name, p, m)
+            assert -(0.001 if close else 0.006) * m <= p - m <= (0.001 if close else 0.016) * m, (name, p, m)

@@ -158,7 +158,7 @@ def test_kernels_follow_megatron_lm_flags():
             "--vocab-size", "256"]
     k = kernels(parse_args(base + ["--bf16"]))
     assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
-                 "dropout_mask": "byte", "fuse_bda": True}
+                 "dropout_mask": "byte", "fuse_bda": True, "collectives": "direct"}
     assert kernels(parse_args(base + ["--bf16", "--no-bias-dropout-fusion"]))["fuse_bda"] is False
     # fp32: TE has no flash / fused attention for it; 'auto' runs TE's unfused attention (an fp32 softmax)
     k = kernels(parse_args(base))

@@ -387,6 +387,8 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None,
         from tracer import standins
         kernels = standins.install(tconfig, cfg, on_gpu=not on_cpu())
     kernels["fuse_bda"] = bool(tconfig.bias_dropout_fusion)    # what runs (CPU_OVERRIDES turn it off on CPU)
+    # gloo stages its own buffers; NCCL and the fake process group work on the tensors they are handed
+    kernels["collectives"] = "gloo" if torch.distributed.get_backend() == "gloo" else "direct"
     model = build_model(cfg, tconfig, kernels["spec"] == "te")
     with scopes.scope("setup:optimizer"):
         optimizer = scopes.wrap_optimizer(build_optimizer(cfg, extra, model))
