@@ -105,9 +105,10 @@ def fit_label(phase: str, label: str, items: list) -> list:
     mixed = {path for path, members in leaves if len({p.shape for _, p in members}) > 1}
     out = []
     known = Counter()      # formulas fitted on this label's larger groups, by the runs that support them
+    by_ref: dict = {}      # a free of another op's tensor (its ref) -> the formulas the larger groups gave it
     for members in sorted(groups.values(), key=len, reverse=True):
         prior = [t for t, _ in known.most_common()] + [t for t, _ in KNOWN.most_common() if t not in known]
-        cells = _fit_group(phase, label, members, (), keys, notes, prior=prior)
+        cells = _fit_group(phase, label, members, (), keys, notes, prior=prior, by_ref=by_ref)
         if any(c.failed for c in cells) and all(path in mixed for _, _, path in members):
             # an alternative structure whose sizes no formula fits (too few runs to tell): left out, named
             notes += [f"{r.path}: {phase} {label}: its alternative event structure fits no size formula "
@@ -116,9 +117,11 @@ def fit_label(phase: str, label: str, items: list) -> list:
                 c.notes = list(notes)
             continue
         for c in cells:
-            for _, terms, _ in c.events:
+            for op, terms, ref in c.events:
                 if terms:
                     known[terms] += len(c.runs)
+                    if op == FREE and not ref.startswith("#"):
+                        by_ref.setdefault(ref, Counter())[terms] += len(c.runs)
         out += cells
     KNOWN.update(known)
     return out
@@ -129,7 +132,7 @@ KNOWN: Counter = Counter()
 
 
 def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, notes: list, depth: int = 0,
-               prior: list | None = None) -> list:
+               prior: list | None = None, by_ref: dict | None = None) -> list:
     """One structure's runs ([(Run, Program, leaf path)]) -> [Cell], split further by `split` switches."""
     runs = [r for r, _, _ in members]
     solver = SizeSolver(label, [r.point for r in runs], prior)
@@ -144,7 +147,10 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
             events.append((ev0.op, None, ev0.ref))     # releases an allocation of this segment: its size
             continue
         sizes = [p[i].size for p in progs]
-        fit = solver.fit(sizes)
+        # a free of a tensor another op made takes the formula the label's larger groups gave that tensor where it
+        # reproduces these runs: a group of a run or two cannot tell s*b*v from h*v where s*b = h
+        same = by_ref.get(_common_ref(progs, i)) if by_ref and ev0.op == FREE else None
+        fit = solver.fit(sizes, [t for t, _ in same.most_common()] if same else ())
         if fit is None:
             failed.append(i)
             events.append((ev0.op, None, _common_ref(progs, i)))

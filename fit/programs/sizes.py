@@ -87,17 +87,17 @@ class SizeSolver:
         self.M = cols[:, keep] if keep else np.zeros((len(points), 0))
         self._memo: dict = {}
 
-    def fit(self, ys: list) -> SizeFit | None:
-        """The exact fit of sizes ys (one per point), or None."""
-        key = tuple(ys)
+    def fit(self, ys: list, first: tuple | list = ()) -> SizeFit | None:
+        """The exact fit of sizes ys (one per point), or None; `first`: formulas to try before the known ones."""
+        key = (tuple(ys), tuple(first))
         if key not in self._memo:
-            self._memo[key] = self._fit(np.array(ys, dtype=float), [int(y) for y in ys])
+            self._memo[key] = self._fit(np.array(ys, dtype=float), [int(y) for y in ys], list(first))
         return self._memo[key]
 
-    def _fit(self, y: np.ndarray, exact: list) -> SizeFit | None:
+    def _fit(self, y: np.ndarray, exact: list, first: list) -> SizeFit | None:
         if not any(exact):
             return SizeFit((), 0)
-        for terms in self.known:
+        for terms in first + self.known:
             if all(_defined(m, p) for _, m in terms for p in self.points) and all(sum(c * evaluate(m, p) for c, m in terms) == yv for p, yv in zip(self.points, exact)):
                 return SizeFit(terms, 0)
         n, N = self.M.shape
