@@ -6,8 +6,9 @@ What becomes a tensor (megatron-core 0.16.1, checked in its code):
   contiguous param buffer per model chunk and dense|expert group (_ParamAndGradBuffer: torch.zeros(numel)), copies
   each parameter into it and frees the original; the grad buffer is one more contiguous tensor per group;
 - optimizer: fp32 master copies per parameter (or per shard with the distributed optimizer) at construction when
-  the parameters are 16-bit, each made as `clone().float()` (a 16-bit clone freed once the copy exists); Adam's exp_avg / exp_avg_sq (SGD's momentum) per parameter or shard, created by the
-  first step (torch creates optimizer state lazily), in the step's parameter order
+  the parameters are 16-bit, each made as `clone().float()` (a 16-bit clone freed once the copy exists); Adam's
+  exp_avg / exp_avg_sq (SGD's momentum) per parameter or shard, created by the first step (torch creates
+  optimizer state lazily), in the step's parameter order
   (static_memory.optimizer_groups); what the per-parameter split does not cover (fp8 weights, sharded data
   parallelism, a distributed-optimizer shard rounding) is one more tensor;
 - the optimizer step's transient: the fp32 copies of 16-bit gradients (one per parameter or shard, freed after
@@ -108,10 +109,14 @@ class Stream:
     def before(self, label: str) -> None:
         """Called before a segment's program plays: what waits for a GEMM is allocated before a linear layer's."""
         if self.at_gemm and _is_gemm(label):
-            tag, self.tag = self.tag, "gpu runtime"
-            for nbytes in self.at_gemm:
-                self.alloc(nbytes)
-            self.at_gemm, self.tag = [], tag
+            self.gemm_buffers()
+
+    def gemm_buffers(self) -> None:
+        """Allocate what waits for the next GEMM (at_gemm), now."""
+        tag, self.tag = self.tag, "gpu runtime"
+        for nbytes in self.at_gemm:
+            self.alloc(nbytes)
+        self.at_gemm, self.tag = [], tag
 
 
 def _is_gemm(label: str) -> bool:
@@ -563,18 +568,17 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
         while len(held) > n:
             st.free(held.pop())
 
-    starts, held_at_end = [], []     # per iteration: where its events start, the p2p tensors live at its end
+    start, held_before = 0, []     # the last iteration: where its events start, the p2p tensors live before it
     for it in range(iterations):
         if it >= 2 and repeat:
             # From the second on, an iteration repeats the one before it tensor for tensor (the first creates the
             # optimizer state): its events are copied with fresh ids, the p2p tensors carried into it standing for
             # those the one before received.
-            copy_start = len(st.events)
-            held[:] = st.repeat(starts[-1], dict(zip(held_at_end[-2], held_at_end[-1])), held)
-            starts.append(copy_start)
-            held_at_end.append(list(held))
+            copy_start, held_after = len(st.events), list(held)
+            held[:] = st.repeat(start, dict(zip(held_before, held_after)), held)
+            start, held_before = copy_start, held_after
             continue
-        starts.append(len(st.events))
+        start, held_before = len(st.events), list(held)
         stacks: dict = {}
         for i, (kind, mb, c) in enumerate(steps):
             st.mark(kind)
@@ -585,8 +589,8 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
             if pending.get(kind):
                 # at the phase's first GEMM where the chunk's ops are programs (labelled), else at its start
                 st.at_gemm = pending.pop(kind)
-                if not any(it[0] == "prog" for it in progs[c]):
-                    st.before("linear")
+                if not any(item[0] == "prog" for item in progs[c]):
+                    st.gemm_buffers()
             if kind == "F":
                 stack = stacks[(mb, c)] = _Stack(st)
                 _forward(progs[c], stack)
@@ -599,7 +603,6 @@ def stage_stream(cfg, cache, stage_chunks, pp_rank: int, static, base_extra: flo
         if it == 0:
             _first_step_state(cfg, st, stage_chunks, pp_rank, static.total_bytes - made)
         _step_transient(cfg, st, stage_chunks, pp_rank, static)
-        held_at_end.append(list(held))
     return st
 
 

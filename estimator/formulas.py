@@ -674,6 +674,11 @@ CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse
                "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False, "collectives": "gloo"}
 
 
+def collectives(process_group: str) -> str:
+    """The `collectives` switch of a process-group backend ("gloo", "nccl", "fake")."""
+    return "gloo" if process_group == "gloo" else "direct"
+
+
 def softmax_batch_per_block(sk: int) -> int:
     """megatron's scaled_masked_softmax_cuda.get_batch_per_block (csrc scaled_masked_softmax.h): warps of 32
     threads, 128 threads per block, two rows per warp while a row has at most 128 elements."""
@@ -753,6 +758,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
     dtype = dtype_of(cfg)
     kern = kernels(cfg)
     a_rank, g_rank = rank_heads(v)
+    position = "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none"
     return {
         "attention": kern["attention"],
         "sp": bool(_get(cfg, "sequence_parallel", False)),
@@ -761,7 +767,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         # the swiglu formulas (the same tensors; a quick-GELU instead of a SiLU)
         "activation": "swiglu" if _get(cfg, "swiglu", False) or _get(cfg, "quick_geglu", False) else "gelu",
         "dtype": dtype,
-        "position": "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none",
+        "position": position,
         "normalization": "RMSNorm" if _get(cfg, "normalization", "LayerNorm") == "RMSNorm" else "LayerNorm",
         "moe": bool(v["E"]),
         # The token dispatcher gathers / exchanges tokens only over an expert group larger than one rank, which
@@ -787,8 +793,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,
         "qcopy": 1 < g_rank < a_rank,
-        "qcore": kern["attention"] == "unfused" and g_rank == 1 < a_rank and v["b"] > 1
-        and pos not in ("rope", "mrope", "yarn"),
+        "qcore": kern["attention"] == "unfused" and g_rank == 1 < a_rank and v["b"] > 1 and position != "rope",
         "a2a": bool(v["E"]) and _get(cfg, "moe_token_dispatcher_type", "allgather") == "alltoall",
         "le1": bool(v["E"]) and v["E"] <= max(1, v["ep"]),
         "epx": bool(v["E"]) and v["ep"] > 1,

@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from estimator.formulas import CPU_KERNELS, switches as config_switches
+from estimator.formulas import CPU_KERNELS, collectives, switches as config_switches
 from estimator.formulas import variables as config_variables
 
 METRICS = ("saved", "fwd_peak", "bwd_peak")
@@ -209,7 +209,7 @@ def header_kernels(hdr: dict) -> dict:
     if "collectives" not in (kern or {}):
         # recorded since the fake process group: the header's process group says it
         pg = hdr.get("process_group") or ("nccl" if hdr.get("backend") == "cuda" else "gloo")
-        out["collectives"] = "gloo" if pg == "gloo" else "direct"
+        out["collectives"] = collectives(pg)
     return out
 
 

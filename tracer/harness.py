@@ -381,14 +381,14 @@ def run(cfg, iterations: int = 3, extra: dict | None = None, on_setup=None,
         init_num_microbatches_calculator(torch.distributed.get_rank(), None, cfg.global_batch_size,
                                          cfg.micro_batch_size, ps.get_data_parallel_world_size())
     tconfig = transformer_config(cfg, extra)
-    from estimator.formulas import CPU_KERNELS
+    from estimator.formulas import CPU_KERNELS, collectives
     kernels = dict(CPU_KERNELS)
     if gpu_kernels or (gpu_kernels is None and not on_cpu()):
         from tracer import standins
         kernels = standins.install(tconfig, cfg, on_gpu=not on_cpu())
     kernels["fuse_bda"] = bool(tconfig.bias_dropout_fusion)    # what runs (CPU_OVERRIDES turn it off on CPU)
     # gloo stages its own buffers; NCCL and the fake process group work on the tensors they are handed
-    kernels["collectives"] = "gloo" if torch.distributed.get_backend() == "gloo" else "direct"
+    kernels["collectives"] = collectives(torch.distributed.get_backend())
     model = build_model(cfg, tconfig, kernels["spec"] == "te")
     with scopes.scope("setup:optimizer"):
         optimizer = scopes.wrap_optimizer(build_optimizer(cfg, extra, model))
