@@ -9,6 +9,8 @@ Events, one string each:
   `+ SIZE`             an allocation
   `- SIZE REF`         a free of an allocation made elsewhere (REF: `fwd:<label>#j`, `fwd:<label>[-1]#j` for the
                        layer before, `outside` for one made outside every segment)
+  `- SIZE REF xCOUNT`  such a free repeated COUNT times (`xE/ep`: once per local expert, a SequentialMLP's
+                       backward freeing each expert's share of the tokens)
   `- #j`               a free of this program's j-th allocation
   `+~ SIZE ~k`, `-~ ~k` another thread's allocation and free (gloo's worker on CPU), placed at the widest window
                        the traces showed: a bound that errs high
@@ -44,6 +46,7 @@ class ProgramEvent:
     op: str
     terms: Optional[Terms]     # None: a free of a local allocation (its size)
     ref: str
+    count: Optional[Terms] = None   # a free of another segment's allocation repeated this many times (None: once)
 
 
 @dataclass
@@ -104,15 +107,20 @@ class ProgramCell:
                 workers[ev.ref] = size
                 out.append(size)
             else:
-                out.append(-size)
+                out.append(-size * repeats(ev, env))
         return out
 
     def qualifier(self) -> str:
         return "layer:first" if self.first else f"instance:{self.instance}" if self.instance else ""
 
     def evaluated(self, env: Mapping[str, float]) -> List[Tuple[str, float, str]]:
-        """The events as (op, bytes, ref) at a config's variables (a local free with its allocation's bytes)."""
-        return [(ev.op, -x if x < 0 else x, ev.ref) for ev, x in zip(self.events, self.signed(env))]
+        """The events as (op, bytes, ref) at a config's variables (a local free with its allocation's bytes, a
+        repeated free once per repeat)."""
+        out = []
+        for ev, x in zip(self.events, self.signed(env)):
+            n = repeats(ev, env)
+            out += [(ev.op, (-x if x < 0 else x) / n, ev.ref)] * n if n > 1 else [(ev.op, -x if x < 0 else x, ev.ref)]
+        return out
 
     def delta_peak(self, env: Mapping[str, float]) -> Tuple[float, float]:
         level = peak = 0.0
@@ -186,6 +194,11 @@ class ProgramSet:
         return cells[i], dp, measured
 
 
+def repeats(ev: ProgramEvent, env: Mapping[str, float]) -> int:
+    """How many times a free repeats at a config (at least 0)."""
+    return 1 if ev.count is None else max(int(round(value(ev.count, env))), 0)
+
+
 # ---------------------------------------------------------------- text <-> terms
 
 def value(terms: Terms, env: Mapping[str, float]) -> float:
@@ -251,20 +264,29 @@ def format_size(terms) -> str:
     return text[1:] if text.startswith("+") else text
 
 
-def format_event(op: str, terms, ref: str) -> str:
-    """'+ SIZE', '+~ SIZE ~k', '- SIZE REF', '- #j', '-~ ~k' (module docstring)."""
+def format_event(op: str, terms, ref: str, count=None) -> str:
+    """'+ SIZE', '+~ SIZE ~k', '- SIZE REF', '- SIZE REF xCOUNT', '- #j', '-~ ~k' (module docstring)."""
     if terms is None:
         return f"{op} {ref}"
-    return f"{op} {format_size(terms)}" + (f" {ref}" if op != "+" and ref else "")
+    return f"{op} {format_size(terms)}" + (f" {ref}" if op != "+" and ref else "") + \
+        (f" x{format_size(count)}" if count is not None else "")
 
 
 def parse_event(text: Any, where: str) -> ProgramEvent:
     if not isinstance(text, str):
         raise ProgramError(f"{where}: an event must be a string, not {type(text).__name__}")
     parts = text.split()
-    if not parts or parts[0] not in OPS or len(parts) > 3:
-        raise ProgramError(f"{where}: malformed event {text!r} (expected '+ SIZE', '- SIZE REF', '- #j', "
-                           f"'+~ SIZE ~k' or '-~ ~k')")
+    if not parts or parts[0] not in OPS or len(parts) > 4 or len(parts) == 4 and not parts[3].startswith("x") or \
+            len(parts) > 2 and parts[1].startswith(("#", "~")):
+        raise ProgramError(f"{where}: malformed event {text!r} (expected '+ SIZE', '- SIZE REF', '- SIZE REF xCOUNT', "
+                           f"'- #j', '+~ SIZE ~k' or '-~ ~k')")
+    count = None
+    if len(parts) == 4:
+        if parts[0] != "-" or parts[2].startswith(("#", "~")):
+            raise ProgramError(f"{where}: {text!r}: only a free of another segment's allocation repeats "
+                               f"('- SIZE REF xCOUNT')")
+        count = parse_size(parts[3][1:], f"{where}: {text!r}")
+        parts = parts[:3]
     op = parts[0]
     if len(parts) == 2 and (parts[1].startswith("#") or parts[1].startswith("~")):
         if op not in ("-", "-~"):
@@ -273,7 +295,7 @@ def parse_event(text: Any, where: str) -> ProgramEvent:
     if len(parts) < 2:
         raise ProgramError(f"{where}: malformed event {text!r}")
     ref = parts[2] if len(parts) == 3 else ""
-    return ProgramEvent(op, parse_size(parts[1], f"{where}: {text!r}"), ref)
+    return ProgramEvent(op, parse_size(parts[1], f"{where}: {text!r}"), ref, count)
 
 
 # ---------------------------------------------------------------- files

@@ -113,6 +113,9 @@ def test_checksum_detects_a_changed_coefficient(tmp_path):
     ("* e*s", "malformed event"),
     ("- #3", "frees no allocation"),
     ("+ e*s*b extra words", "malformed event"),
+    ("+ e*s*b fwd:l#0 xE/ep", "only a free of another segment's allocation repeats"),
+    ("- #0 xE", "malformed event"),
+    ("- e*s fwd:l#0 xE/q", "unknown variable 'q'"),
 ])
 def test_malformed_events_refused(event, message):
     doc = {"format": P.FORMAT, "version": P.VERSION, "name": "x", "programs": [
@@ -120,6 +123,38 @@ def test_malformed_events_refused(event, message):
     doc["checksum"] = P.content_checksum(doc)
     with pytest.raises(P.ProgramError, match=message):
         P.from_dict(doc)
+
+
+def test_a_repeated_free_replays_once_per_repeat():
+    """`- SIZE REF xCOUNT` (one free per local expert) reads back, writes back, and plays as COUNT frees of SIZE."""
+    text = "- e*s*b*h*k*ep/E fwd:layers.*.mlp.experts.local_experts.*.linear_fc2#0 xE/ep"
+    ev = P.parse_event(text, "t")
+    assert P.format_event(ev.op, ev.terms, ev.ref, ev.count) == text
+    doc = {"format": P.FORMAT, "version": P.VERSION, "name": "x", "programs": [
+        {"label": "l", "phase": "fwd", "when": [{}], "events": ["+ e*s", text]}]}
+    doc["checksum"] = P.content_checksum(doc)
+    (cell,) = P.from_dict(doc).cells
+    env = {"e": 2, "s": 8, "b": 2, "h": 4, "k": 2, "E": 8, "ep": 2}
+    one = 2 * 8 * 2 * 4 * 2 * 2 / 8
+    assert cell.evaluated(env) == [("+", 16.0, "")] + [("-", one, ev.ref)] * 4
+    assert cell.delta_peak(env) == (16.0 - 4 * one, 16.0)
+
+
+def test_expert_frees_counted_per_local_expert():
+    """A SequentialMLP's backward frees each local expert's share of the tokens: one free per local expert, a
+    count fitted as E/EP from runs of 4 and 8 experts, so runs of an expert count and top-k no run had (E 4, top-k 2,
+    one expert rank) are replayed to the byte."""
+    train = load_runs(_runs(("gpt_moe_e8k1_", "gpt_moe_k3_s")))
+    held = load_runs(_runs(("gpt_moe_s",)))
+    assert {r.point["E"] // r.point["ep"] for r in train} == {4, 8} and all(r.point["k"] == 2 for r in held)
+    doc, _ = documents(train, fit_runs(train), "moe", "")
+    fset = P.from_dict(doc)
+    counted = [c for c in fset.cells if c.label == "layers.*.mlp.experts" and c.phase == "bwd"
+               and any(ev.count for ev in c.events)]
+    assert counted and all(P.format_size(ev.count) == "E/ep" for c in counted for ev in c.events if ev.count)
+    report = check_runs(fset, held)
+    assert not [m for m in report["missed"] if "experts" in m[2]]
+    assert report["exact"] > 100
 
 
 def test_size_text_round_trip():

@@ -114,7 +114,7 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
                                        f"recompute is composed from the plain layer, never fitted."),
         "programs": [{"label": c.label, "phase": c.phase, **_qualifier(c), "when": c.when,
                       "runs": len(c.runs), "seen": c.seen,
-                      "events": [P.format_event(op, terms, ref) for op, terms, ref in c.events]}
+                      "events": [P.format_event(*ev) for ev in c.events]}
                      for c in cells],
         "structure": fit_structure(runs),
         # What the estimator needs to say where a config leaves the measured ground: the backends that ran the
@@ -133,7 +133,7 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
             # allocations whose exact fit over few runs has a negative term (a kernel's block-rounded workspace
             # fits a sum by coincidence): it may go wrong far from those runs; the estimator clamps a size at 0
             "negative_terms": [f"{c.phase} {c.label} event {i}: {P.format_size(terms)} ({len(c.runs)} runs)"
-                               for c in cells for i, (op, terms, _) in enumerate(c.events)
+                               for c in cells for i, (op, terms, _, _) in enumerate(c.events)
                                if op in ("+", "+~") and terms and any(coef < 0 for coef, _ in terms)]}
     return doc, prov
 
@@ -158,7 +158,8 @@ def measured_set(path: str):
         for key, prog in sorted(programs.items()):
             phase, label = key[:2]
             events = [P.format_event(e.op, None if e.ref.startswith(("#", "~")) and e.op in ("-", "-~")
-                                     else ((e.size, ()),) if e.size else (), e.ref) for e in prog.events()]
+                                     else ((e.size, ()),) if e.size else (), e.ref,
+                                     ((e.count, ()),) if e.count != 1 else None) for e in prog.events()]
             cells.append({"label": label, "phase": phase, **({"layer": "first"} if first else {}),
                           **({"instance": key[2]} if len(key) == 3 else {}), "when": [{}],
                           "runs": 1, "events": events})

@@ -10,6 +10,11 @@ or a free (`-`, the size it releases and which allocation that was). Pointers pa
   `fwd:<label>[-1]#j`     ... of the layer before (a layer offset where both segments belong to layers)
   `outside`               an allocation made outside every segment (setup, the optimizer step, a pipeline receive)
 
+A free repeated once per sibling instance (a SequentialMLP's experts: its backward frees each expert's slice of
+the tokens, one per local expert, E/EP of them) is one event with a count: consecutive frees of one size that name
+the same allocation elsewhere (the label's `*` stands for every expert) collapse into `count` frees, so runs of
+different expert counts share one structure and the count is fitted like a size (fit.py).
+
 Another thread's allocation and free (gloo's worker in a CPU run) land at a moment that varies against the
 compute thread's events, run to run and layer to layer. Such a *worker pair* is kept apart from the compute
 events as (size, after, until): allocated after the first `after` compute events and freed after `until` of them.
@@ -40,6 +45,7 @@ class Event:
     op: str        # ALLOC | FREE | WORKER_ALLOC | WORKER_FREE
     size: int      # bytes allocated, or released by the free
     ref: str = ""  # a free: the allocation it releases (module docstring); an allocation: ""
+    count: int = 1  # a free of another segment's allocation repeated once per sibling instance (docstring)
 
 
 WORKER_ALLOC, WORKER_FREE = "+~", "-~"
@@ -86,7 +92,31 @@ def placed(compute: tuple, workers: tuple, windows: list | None = None) -> list:
 
 
 def signed(events) -> list:
-    return [e.size if e.op in (ALLOC, WORKER_ALLOC) else -e.size for e in events]
+    return [e.size if e.op in (ALLOC, WORKER_ALLOC) else -e.size * e.count for e in events]
+
+
+def repeated(ref: str) -> bool:
+    """A free's reference that may repeat once per sibling instance: another segment's allocation."""
+    return ":" in ref
+
+
+def collapsed(compute: list, workers: list) -> tuple:
+    """(compute events with each run of identical frees of another segment's allocation as one counted event,
+    worker windows moved to the new positions: a window that starts or ends inside a run widens to the run)."""
+    out: list = []
+    pos: list = []      # original index -> index in out
+    for e in compute:
+        last = out[-1] if out else None
+        if e.op == FREE and repeated(e.ref) and last is not None and last.op == FREE and last.ref == e.ref \
+                and last.size == e.size:
+            out[-1] = Event(FREE, e.size, e.ref, last.count + 1)
+        else:
+            out.append(e)
+        pos.append(len(out) - 1)
+    n = len(compute)
+    moved = [[size, pos[after] if after < n else len(out), pos[until - 1] + 1 if until > 0 else 0]
+             for size, after, until in workers]
+    return tuple(out), moved
 
 
 def replay_sizes(signed: list) -> tuple:
@@ -164,7 +194,8 @@ def rank_instances(pr, segs) -> list:
             else:
                 al = freed[i]
                 compute.append(Event(FREE, int(size[al]), _ref(segs, si, int(seg_of[m_idx[al]]), int(local_index[al]))))
-        out.append((s, tuple(compute), tuple(sorted(tuple(w) for w in workers))))
+        compute, workers = collapsed(compute, workers)
+        out.append((s, compute, tuple(sorted(tuple(w) for w in workers))))
     return out
 
 
@@ -265,4 +296,4 @@ def widest(worker_lists: list) -> tuple:
 
 
 def _sized(compute: tuple, workers: tuple) -> tuple:
-    return tuple((e.op, e.size) for e in compute), tuple(size for size, _, _ in workers)
+    return tuple((e.op, e.size, e.count) for e in compute), tuple(size for size, _, _ in workers)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from .extract import FREE, WORKER_FREE, widest
 from .sizes import SizeSolver
@@ -43,7 +44,7 @@ class Cell:
     phase: str
     label: str
     when: list                     # [{switch: value}], the cells; [{}] = any
-    events: list                   # [(op, size terms, ref)]
+    events: list                   # [(op, size terms, ref, count terms | None)]
     runs: list                     # Run paths
     seen: list                     # per `when` dict: switch -> sorted values its runs had (relevant switches only)
     notes: list = field(default_factory=list)
@@ -117,7 +118,7 @@ def fit_label(phase: str, label: str, items: list) -> list:
                 c.notes = list(notes)
             continue
         for c in cells:
-            for op, terms, ref in c.events:
+            for op, terms, ref, _ in c.events:
                 if terms:
                     known[terms] += len(c.runs)
                     if op == FREE and not ref.startswith("#"):
@@ -144,7 +145,12 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
     for i in range(n_ev):
         ev0 = progs[0][i]
         if ev0.op == FREE and ev0.ref.startswith("#") or ev0.op == WORKER_FREE:
-            events.append((ev0.op, None, ev0.ref))     # releases an allocation of this segment: its size
+            events.append((ev0.op, None, ev0.ref, None))     # releases an allocation of this segment: its size
+            continue
+        count = fit_count([p[i].count for p in progs], [r.point for r in runs])
+        if count is False:
+            failed.append(i)
+            events.append((ev0.op, None, _common_ref(progs, i), None))
             continue
         sizes = [p[i].size for p in progs]
         # a free of a tensor another op made takes the formula the label's larger groups gave that tensor where it
@@ -153,9 +159,9 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
         fit = solver.fit(sizes, [t for t, _ in same.most_common()] if same else ())
         if fit is None:
             failed.append(i)
-            events.append((ev0.op, None, _common_ref(progs, i)))
+            events.append((ev0.op, None, _common_ref(progs, i), None))
         else:
-            events.append((ev0.op, fit.terms, _common_ref(progs, i)))
+            events.append((ev0.op, fit.terms, _common_ref(progs, i), count))
     if failed and depth < 2:
         parted = _split(phase, label, members, split, keys, notes, depth)
         if parted is not None:
@@ -169,9 +175,33 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
     when = [by_cell[k][0] for k in order]
     seen = [_seen(label, by_cell[k][1]) for k in order]
     reasons = [(i, "no sum of at most three candidate monomials reproduces its sizes on the "
-                f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].size}" for j in range(min(4, len(progs)))))
+                f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].size}" for j in range(min(4, len(progs))))
+                if fit_count([p[i].count for p in progs], [r.point for r in runs]) is not False else
+                "no count formula reproduces how many times it repeats on the "
+                f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].count}" for j in range(min(4, len(progs)))))
                for i in failed]
     return [Cell(phase, label, when, events, [r.path for r in runs], seen, list(notes), reasons)]
+
+
+# what a repeated free's count can be: one per local expert (E/EP), per expert, per routed choice; or a constant
+COUNT_MONOMIALS = ((("E", 1), ("ep", -1)), (("E", 1),), (("k", 1),), ())
+
+
+def fit_count(counts: list, points: list):
+    """How many times an event repeats, over a group's runs: None where it is 1 on every run, the count's terms
+    (a rational multiple of one of COUNT_MONOMIALS) where one reproduces every run, False where none does."""
+    if all(c == 1 for c in counts):
+        return None
+    for mono in COUNT_MONOMIALS:
+        values = [Fraction(1) for _ in points]
+        for var, exp in mono:
+            values = [v * Fraction(p[var]) ** exp for v, p in zip(values, points)]
+        if any(v == 0 for v in values):
+            continue
+        coef = Fraction(counts[0]) / values[0]
+        if all(coef * v == c for v, c in zip(values, counts)):
+            return ((coef, mono),)
+    return False
 
 
 def _split(phase, label, members, split, keys, notes, depth):
