@@ -7,7 +7,8 @@ benchmarks/accuracy.py's held-out configs are tiny (h 64-128, s 32-64, vocab 128
 states dominate their peaks and hide activation errors. This benchmark draws configs with realistic proportions
 from a seeded generator instead: 2-4 layers, h 64-192, s 128-384, vocab 1000-3000, microbatch 1-4; gelu/swiglu,
 LayerNorm/RMSNorm, learned/rope positions, MHA/GQA, biases on/off, tied/untied embeddings, dropout on/off, fp32
-(bf16 in at most about 1 in 7 draws, small ones: it is ~14x slower on CPU), TP 2 with and without sequence
+(bf16 in at most about 1 in 7 draws, small ones: it is ~14x slower on CPU; with DP, gradients reduced in bf16 in
+half of them), TP 2 with and without sequence
 parallelism, PP 2 (1F1B and interleaved), DP 2 with and without the distributed optimizer, selective and full
 (uniform / block) recompute, MoE (EP 1/2, alltoall and allgather dispatchers, balanced routing), at most 2
 processes each. Candidate i takes its process layout from a fixed cycle (`LAYOUTS`, so every layout is drawn) and
@@ -140,6 +141,10 @@ def draw(seed: int, index: int, gpu_kernels: bool = False) -> dict:
     if bf16:
         argv.append("--bf16")
         tags.append("bf16")
+        # gradients reduced in bf16 or fp32 (the default): drawn from its own stream, so no other draw moves
+        if dp > 1 and random.Random(f"{seed}:{index}:grad-reduce").random() < 0.5:
+            argv.append("--grad-reduce-in-bf16")
+            tags.append("gr16")
     if rng.random() < 0.5:
         argv.append("--swiglu")
         tags.append("sw")

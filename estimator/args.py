@@ -84,6 +84,7 @@ class TrainingConfig:
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str = "allgather"
     moe_router_pre_softmax: bool = False
+    moe_router_force_load_balancing: bool = False
     moe_router_score_function: str = "softmax"
     moe_router_load_balancing_type: Any = "aux_loss"   # one type, or a list (Megatron-LM: nargs='+')
     moe_aux_loss_coeff: Any = 0.0   # one coefficient, or one per load-balancing type (nargs='+')
@@ -285,6 +286,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--moe-grouped-gemm": ("moe_grouped_gemm", "true"),
     "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", "str"),
     "--moe-router-pre-softmax": ("moe_router_pre_softmax", "true"),
+    "--moe-router-force-load-balancing": ("moe_router_force_load_balancing", "true"),
     "--moe-router-score-function": ("moe_router_score_function", "str"),
     "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "list"),
     "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", "list"),
@@ -887,6 +889,12 @@ def _validate_moe(cfg: TrainingConfig) -> None:
             raise ConfigError("Number of experts should be a multiple of expert model parallel_size.")
     if not cfg.is_moe:
         return
+    if cfg.moe_token_dispatcher_type == "flex":
+        # megatron-core's flex dispatcher runs DeepEP or HybridEP, whose communication buffers no trace measured:
+        # refused, never estimated as another dispatcher
+        raise ConfigError("--moe-token-dispatcher-type flex changes memory or communication and cannot be "
+                          "estimated: the DeepEP / HybridEP dispatch buffers are not measured (allgather or alltoall "
+                          "are)")
     if cfg.add_bias_linear and cfg.expert_tensor_parallel_size != 1:
         raise ConfigError("Bias in Moe is only supported when ETP==1")   # megatron-core's own check
     if (cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax

@@ -69,6 +69,7 @@ class Routing:
     busiest: float = 1.0
     rest: float = 1.0
     local_experts: int = 1
+    forced: bool = False          # --moe-router-force-load-balancing: random routing, a statistical bound
 
     @property
     def scales(self) -> bool:
@@ -86,6 +87,9 @@ class Routing:
         if self.mode == "capacity":
             return (f"capacity factor {self.capacity_factor:g} without padding: at most {self.capacity} tokens per "
                     f"expert and source rank, and at most --moe-imbalance {self.imbalance:g}x balanced" + tail)
+        if self.forced:
+            return (f"dropless, forced load balancing (random routing): the mean plus {FORCED_SIGMAS:g} standard "
+                    f"deviations of the token counts" + tail)
         return f"dropless, balanced x --moe-imbalance {self.imbalance:g} (an assumed bound)" + tail
 
     def short(self) -> str:
@@ -94,6 +98,8 @@ class Routing:
             return f"padded, capacity {self.capacity_factor:g}"
         if self.mode == "capacity":
             return f"capacity {self.capacity_factor:g}"
+        if self.forced and self.mode == "balanced":
+            return f"forced balance, <={self.rank:.3g}x balanced"
         return f"<={self.imbalance:g}x balanced" if self.mode == "balanced" else "dense"
 
     def to_json(self) -> dict:
@@ -126,8 +132,9 @@ def routing(cfg) -> Routing:
     # The router's tokens (routing_map.size(0)): the rank's sequence shard times the micro batch.
     T = int(_g(cfg, "seq_length", 0)) // int(_g(cfg, "context_parallel_size", 1)) * int(
         _g(cfg, "micro_batch_size", 1)) // (t if sp else 1)
-    F = float(_g(cfg, "moe_imbalance", DEFAULT_IMBALANCE))
     balanced = T * k / E
+    forced = _g(cfg, "moe_router_force_load_balancing", False) and _g(cfg, "moe_imbalance", None) is None
+    F = forced_bounds(T, E, k, ep, n)[0] if forced else float(_g(cfg, "moe_imbalance", DEFAULT_IMBALANCE))
     C = _g(cfg, "moe_expert_capacity_factor", None)
     if C is not None and C < 0:
         C = None          # megatron-core's TransformerConfig: a negative factor means dropless
@@ -141,9 +148,31 @@ def routing(cfg) -> Routing:
         if _g(cfg, "moe_pad_expert_input_to_capacity", False):
             return Routing("padded", F, C, cap, T, ratio, ratio, ratio, n)
         rank, per_expert_cap = min(rank, ratio), min(per_expert_cap, ratio)
-    busiest = min(1.0 + (F - 1.0) * n, rank * n, per_expert_cap)
+    busiest = min(forced_bounds(T, E, k, ep, n)[1] if forced else 1.0 + (F - 1.0) * n, rank * n, per_expert_cap)
     rest = max(0.0, (rank * n - busiest) / (n - 1)) if n > 1 else rank
-    return Routing("capacity" if C is not None else "balanced", F, C or 0.0, cap, T, rank, busiest, rest, n)
+    return Routing("capacity" if C is not None else "balanced", F, C or 0.0, cap, T, rank, busiest, rest, n,
+                   forced)
+
+
+# --moe-router-force-load-balancing replaces the router's logits by i.i.d. normal draws (megatron-core's
+# moe_utils.RandomSTE), so every token takes k distinct experts uniformly at random: balanced on average, not
+# exactly. Token counts are then binomial (one expert) and a sum of hypergeometric draws (a rank's n local experts);
+# the bound is their mean plus FORCED_SIGMAS standard deviations.
+FORCED_SIGMAS = 4.0
+
+
+def forced_bounds(T: int, E: int, k: int, ep: int, n: int) -> tuple:
+    """(rank factor, busiest-expert factor) relative to balanced for randomly forced routing: the rank's local
+    experts together, and one of them, at the mean plus FORCED_SIGMAS standard deviations of their token counts
+    over the T * ep tokens of the expert group's source ranks."""
+    N = max(T * ep, 1)
+    mean_rank = N * k * n / E
+    var_rank = N * k * (n / E) * (1 - n / E) * ((E - k) / (E - 1) if E > 1 else 0.0)
+    mean_one = N * k / E
+    var_one = mean_one * (1 - k / E)
+    rank = 1.0 + FORCED_SIGMAS * math.sqrt(var_rank) / mean_rank if mean_rank else 1.0
+    one = 1.0 + FORCED_SIGMAS * math.sqrt(var_one) / mean_one if mean_one else 1.0
+    return rank, one
 
 
 def routed(label: str) -> bool:

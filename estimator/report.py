@@ -185,9 +185,9 @@ def _text_gpu_runtime(report, worst) -> list[str]:
               for it in worst.gpu_runtime]
     sb = next((s for s in _budget(report).stages if s.pp_rank == worst.pp_rank), None)
     if sb is not None:
-        lines.append(f"  Outside PyTorch's allocator (modelled allowances, not in the peak): CUDA context "
-                     f"{gib(sb.cuda_context)} GiB, NCCL {gib(sb.nccl)} GiB ({len(sb.nccl_communicators)} "
-                     f"communicators)")
+        lines.append(f"  Outside PyTorch's allocator (allowances, not in the peak): CUDA context and libraries "
+                     f"{gib(sb.cuda_context)} GiB (the default measured on H100 runs), NCCL {gib(sb.nccl)} GiB "
+                     f"({len(sb.nccl_communicators)} communicators, modelled from a published figure)")
     return _wrap(lines)
 
 

@@ -289,7 +289,7 @@ def to_text(result: SearchResult, top: int = 20) -> str:
              f"({result.seconds:.1f} s).",
              "Ranked by communication per rank per iteration, then pipeline bubble, then least recompute.",
              "peak: predicted allocated bytes (PyTorch's allocator); total: the worst stage with the verdict's",
-             f"allowances (CUDA context {a['cuda_context_gib']:g} GiB, NCCL {a['nccl_gib_per_communicator']:g} GiB "
+             f"allowances (CUDA context {a['cuda_context_gib']:.2f} GiB, NCCL {a['nccl_gib_per_communicator']:g} GiB "
              f"x communicators, fragmentation {a['fragmentation_percent']:g}%), what must fit.",
              ""]
     if not result.fits:

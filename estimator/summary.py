@@ -88,12 +88,15 @@ def _stage_table(report, budget) -> list[str]:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     fmt = lambda r: "  " + "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
                                      for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-    lines = ["Peak per pipeline stage (GiB per GPU; PyTorch peak = the estimate, the rest modelled allowances)"]
+    lines = ["Peak per pipeline stage (GiB per GPU; PyTorch peak = the estimate, the rest allowances)"]
     lines += [fmt(header)] + [fmt(r) for r in rows]
     frag = (f"{allow['fragmentation_percent']:g}% of the peak" if allow.get("fragmentation_percent") is not None
             else "modelled (below)")
-    lines.append(f"  allowances: CUDA context {allow['cuda_context_gib']:g} GiB; NCCL "
-                 f"{allow['nccl_gib_per_communicator']:g} GiB x (communicators); fragmentation {frag}")
+    ctx = allow["cuda_context_gib"]
+    from estimator import verdict as V
+    measured = " (measured on H100 runs)" if ctx == V.DEFAULTS["cuda_context_gib"] else ""
+    lines.append(f"  allowances: CUDA context and libraries {ctx:.2f} GiB{measured};")
+    lines.append(f"    NCCL {allow['nccl_gib_per_communicator']:g} GiB x (communicators); fragmentation {frag}")
     return [_fit(x) for x in lines] + _reserved_lines(report)
 
 

@@ -161,6 +161,8 @@ def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
     ("--outer-dp-sharding-strategy optim", "hybrid sharded data parallelism"),
     ("--optimizer muon", "Muon's states"),
     ("--enable-cuda-graph", "CUDA graphs"),
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep", "DeepEP"),
+    ("--num-experts 8 --moe-token-dispatcher-type flex", "DeepEP / HybridEP"),
 ])
 def test_memory_relevant_flags_that_are_not_modelled_are_refused(flags, reason):
     with pytest.raises(ConfigError, match="changes memory or communication and cannot be estimated: .*" + reason):

@@ -197,3 +197,45 @@ def test_rank_bound_scales_routed_rows_and_leaves_the_router(fset):
             assert two[op]["saved"] == one[op]["saved"], op
     side = [op for op in one if moe_tokens.routed(op)]
     assert sum(two[op]["saved"] for op in side) > sum(one[op]["saved"] for op in side)
+
+
+# ------------------------------------------------------------------------------------------ forced load balancing
+@pytest.mark.parametrize("experts, topk, ep, tokens", [(8, 2, 8, 2048), (64, 6, 8, 1024), (128, 8, 16, 512)])
+def test_forced_balancing_is_random_routing_within_its_bound(experts, topk, ep, tokens):
+    """--moe-router-force-load-balancing draws the router's logits i.i.d. normal (megatron-core's RandomSTE):
+    megatron-core's own top-k routing of such logits is balanced on average, not exactly. Over 20 draws of the
+    expert group's tokens, the busiest rank's and expert's counts stay within the estimate's bound, and exceed
+    exactly balanced routing (which `--moe-imbalance 1` would assume) on some draw."""
+    _need("megatron.core")
+    import torch
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    cfg = parse_args(("--num-layers 2 --hidden-size 128 --num-attention-heads 8 --seq-length "
+                      f"{tokens} --max-position-embeddings {tokens} --micro-batch-size 1 --vocab-size 512 "
+                      f"--num-experts {experts} --moe-router-topk {topk} --expert-model-parallel-size {ep} "
+                      f"--nproc_per_node {ep} --moe-router-force-load-balancing").split())
+    r = moe_tokens.routing(cfg)
+    n = experts // ep
+    assert r.forced and r.local_experts == n and r.tokens == tokens
+    balanced_rank, balanced_one = tokens * topk, tokens * ep * topk / experts
+    worst_rank = worst_one = 0.0
+    gen = torch.Generator().manual_seed(experts * 1000 + topk)
+    for _ in range(20):
+        logits = torch.randn(tokens * ep, experts, generator=gen)     # the expert group's source tokens
+        _, routing_map = topk_routing_with_score_function(logits, topk)
+        per_expert = routing_map.sum(0).double()
+        assert int(per_expert.sum()) == tokens * ep * topk
+        worst_one = max(worst_one, float(per_expert.max()) / balanced_one)
+        worst_rank = max(worst_rank, float(per_expert.view(ep, n).sum(1).max()) / balanced_rank)
+    assert 1.0 < worst_rank <= r.rank and 1.0 < worst_one <= r.busiest
+    plain = moe_tokens.routing(parse_args(("--num-layers 2 --hidden-size 128 --num-attention-heads 8 "
+                                           f"--seq-length {tokens} --max-position-embeddings {tokens} "
+                                           f"--micro-batch-size 1 --vocab-size 512 --num-experts {experts} "
+                                           f"--moe-router-topk {topk} --expert-model-parallel-size {ep} "
+                                           f"--nproc_per_node {ep}").split()))
+    assert r.rank < plain.rank or r.busiest < plain.busiest      # tighter than the assumed default bound
+
+
+def test_an_explicit_imbalance_wins_over_forced_balancing():
+    cfg = parse_args(BASE + ["--moe-router-force-load-balancing", "--moe-imbalance", "1"])
+    r = moe_tokens.routing(cfg)
+    assert not r.forced and r.rank == r.busiest == r.rest == 1.0
