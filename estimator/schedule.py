@@ -108,6 +108,9 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
     - the input gradient a backward sent to the previous stage is referenced until the next backward has run
       (send_prev_wait_handle waited after the next backward's send; `input_tensor_grad` in 1F1B): 1 during the
       steps up to and including the next backward, unless the chunk still holds it (above);
+    - 1F1B without interleaving: the output gradient a backward received (send_forward_recv_backward's result,
+      `output_tensor_grad`) stays referenced through the next forward, until the next exchange replaces it: 1
+      during a forward that directly follows a backward of a chunk that receives output gradients;
     - interleaved schedule only, steady 1F1B pairs (the p2p exchange comes after the pair's backward): the pair's
       forward output is sent, and pseudo-freed, only after the backward (1 during the backward when the forward's
       chunk sends its output), and the output gradient for the pair's backward is received before its forward
@@ -128,6 +131,8 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
             if prev >= 0 and recv[prev] and (fl[prev] or prev == c):
                 n += 1
             if interleaved and warmup <= i < last and seq[i + 1][0] == "B" and sends[seq[i + 1][1]]:
+                n += 1
+            if not interleaved and i and seq[i - 1][0] == "B" and sends[seq[i - 1][1]]:
                 n += 1
             fl[c] += 1
         else:
@@ -304,7 +309,7 @@ class _Walk:
     of the step just run if it was a forward (last_f), forwards / backwards run so far, and the first highest top
     with (kind, forward or backward index, level before)."""
     __slots__ = ("saved", "fx", "bx", "recv", "sends", "inter", "p2p", "floor", "level", "fl", "held", "prev",
-                 "last_f", "nf", "nb", "best", "at")
+                 "last_f", "grad_held", "nf", "nb", "best", "at")
 
     def __init__(self, chunks, level0: float, recv, sends, interleaved: bool, p2p: float):
         self.saved = [ch.saved for ch in chunks]
@@ -312,6 +317,7 @@ class _Walk:
         self.bx = [ch.bwd_extra for ch in chunks]
         self.recv, self.sends, self.inter, self.p2p = recv, sends, interleaved, p2p
         self.level, self.fl, self.held, self.prev, self.last_f = level0, [0] * len(chunks), sum(recv), None, None
+        self.grad_held = False   # 1F1B: the last backward's received output gradient, referenced until a forward ran
         self.nf = self.nb = 0
         self.best, self.at = level0, None
         self.floor = -float("inf")  # some step's top is at least this: a run that stays below it holds no peak
@@ -329,6 +335,8 @@ class _Walk:
                 n += 1
             if nxt_b is not None and self.inter and self.sends[nxt_b]:
                 n += 1
+            if self.grad_held:
+                n += 1
             top = lv + (self.fx[x] + n * self.p2p)
         else:
             top = lv + self.fx[x]
@@ -338,6 +346,7 @@ class _Walk:
         self.level = lv + self.saved[x]
         self.nf += 1
         self.last_f = x
+        self.grad_held = False
 
     def bwd(self, c: int) -> None:
         fl = self.fl
@@ -369,6 +378,7 @@ class _Walk:
         else:
             self.prev = None
         self.last_f = None
+        self.grad_held = not self.inter and self.sends[c]
 
     def skip_f(self, a: int, m: int) -> None:
         """m forwards of chunk a, not looked at."""
@@ -378,6 +388,7 @@ class _Walk:
         self.level += m * self.saved[a]
         self.nf += m
         self.last_f = a
+        self.grad_held = False
 
     def skip_b(self, b: int, m: int) -> None:
         self.fl[b] -= m
@@ -402,7 +413,8 @@ class _Walk:
 
     def _cap(self):
         """The most p2p tensor bytes a step of the next run can hold: a run empties a chunk only after its last step,
-        so at most 2 per held chunk now, + 1 for the last backward's input grad + 1 for a deferred send."""
+        so at most 2 per held chunk now, + 1 for the last backward's input grad + 1 for a deferred send
+        (interleaved) or a received output gradient still referenced (1F1B)."""
         return (2 * self.held + 2) * self.p2p if self.p2p > 0 else 0
 
     def run_f(self, a: int, m: int, nxt_b: Optional[int]) -> None:

@@ -61,13 +61,46 @@ def test_p2p_counts_match_interleaved_trace():
         recv, sends = S.p2p_flags(2, rank, 2)
         assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, True) == (counts, end)
     # 1F1B: a sent input gradient lives through the next forward and backward; the chunk keeps its last input
-    # and that input's gradient through the optimizer step; the first stage receives nothing.
+    # and that input's gradient through the optimizer step; the first stage receives only output gradients, each
+    # referenced through the forward after its backward (test_1f1b_received_gradient_lives_through_next_forward).
     steps = S.order(2, 1, 4)
     recv, sends = S.p2p_flags(2, 1)
     assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, False) == ([0, 0, 1, 1, 1, 1, 1, 1], 2)
     steps = S.order(2, 0, 4)
     recv, sends = S.p2p_flags(2, 0)
-    assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, False) == ([0] * 8, 0)
+    assert S.p2p_counts([(k, c) for k, _, c in steps], recv, sends, False) == ([0, 0, 0, 1, 0, 1, 0, 0], 0)
+
+
+def test_1f1b_received_gradient_lives_through_next_forward():
+    """The first stage of a traced 1F1B run (PP 4, 8 microbatches, megatron-core 0.16.1 on the fake process group,
+    committed): every tensor it receives is an output gradient, and the one a backward received is still live when
+    the next forward starts (the schedule's `output_tensor_grad` is replaced only by the next exchange). Counted at
+    each forward's start of the traced iteration 1, it equals the schedule model's p2p count for that forward."""
+    import os
+
+    import numpy as np
+    from tracer.parse import current_scope, op_label, parse_run
+
+    run = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "traces", "cpu_layouts",
+                       "pp4_fp32_s64_b2_h128")
+    pr = next(p for p in parse_run(run) if p.rank == 0)
+    a = pr.allocs
+    received = np.flatnonzero(np.array(op_label(pr, np.arange(len(a["idx"])))) == "pp_recv")
+    rows = current_scope(pr.scopes, np.arange(pr.n_events))
+    starts, last = [], None
+    for k in range(pr.n_events):
+        path = pr.scope_path(int(rows[k]))
+        step = path[1] if len(path) > 1 and path[0] == "iter:1" and path[1][:4] in ("fwd:", "bwd:") else None
+        if step and step != last:
+            starts.append((k, step))
+        last = step
+    traced = [int(((a["idx"][received] < k) & (a["free"][received] > k)).sum())
+              for k, step in starts if step.startswith("fwd:")]
+    steps = S.order(4, 0, 8)
+    recv, sends = S.p2p_flags(4, 0)
+    counts, _ = S.p2p_counts([(kind, c) for kind, _, c in steps], recv, sends, False)
+    model = [n for (kind, _, _), n in zip(steps, counts) if kind == "F"]
+    assert len(traced) == 8 and traced == model and sum(model) == 4
 
 
 def test_simulate_adds_p2p_tensors():
