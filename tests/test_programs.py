@@ -262,3 +262,17 @@ def test_a_size_below_zero_is_clamped_and_the_fit_names_such_sizes():
         negative = [e for c in shipped["programs"] for e in c["events"]
                     if e.startswith("+") and "-" in e.split()[1]]
         assert len(listed) == len(negative)
+
+
+def test_worker_buffers_pair_by_allocation_order_across_runs():
+    """gloo's worker allocates its buffers in a fixed order; a run's k-th worker pair is another run's k-th even
+    where their sizes cross between runs (E 4 vs E 8 all-to-all under TP 2 + SP: a 128-byte buffer before a 96-byte
+    one in one run, 64 before 192 in another), so the structure group's widest windows are taken pair by pair."""
+    cover = os.path.join(ROOT, "fit", "traces", "cpu_moe_cover", "moecover46_s48_b1_h64_a8")
+    runs = load_runs(_runs(("llama_moe_a2a_bf16_tp2sp_s48_b1_h64_a8",)) + [cover])
+    progs = [r.programs[("fwd", "layers.*.mlp@router")] for r in runs]
+    assert progs[0].shape == progs[1].shape
+    windows = [[(a, u) for _, a, u in p.workers] for p in progs]
+    sizes = [[size for size, _, _ in p.workers] for p in progs]
+    assert windows[0] == windows[1] and all(w == sorted(w) for w in windows)
+    assert sizes[0] != sorted(sizes[0]) or sizes[1] != sorted(sizes[1])   # ordered by allocation, not by size

@@ -423,14 +423,16 @@ COVER_SHAPES = {True: [(80, 1, 64, 8, None, None, 448), (112, 1, 96, 8, None, 25
                 False: [(48, 2, 64, 8, None, 192, 384), (40, 3, 96, 8, None, None, 256)]}
 
 
-def covering_rows(strengths: tuple = (3, 4), candidates: int = 300) -> list:
+def covering_rows(strengths: tuple = (3, 4), candidates: int = 300, cover: dict | None = None,
+                  seed: int = 20261206) -> list:
     """Rows (switch -> value) in which every `strength` switches take every combination of their values, for each
     strength in turn: the rows of the lower strength come first and stay as they are (their runs are traced)."""
     import itertools
     import random
-    names = list(COVER)
-    values = [list(COVER[n]) for n in names]
-    rng, rows = random.Random(20261206), []
+    cover = COVER if cover is None else cover
+    names = list(cover)
+    values = [list(cover[n]) for n in names]
+    rng, rows = random.Random(seed), []
     for strength in strengths:
         tuples = list(itertools.combinations(range(len(names)), strength))
         uncovered = {(idx, combo) for idx in tuples
@@ -468,12 +470,52 @@ def covering_configs() -> list:
     return out
 
 
+# The same over an MoE layer's switches (strength 3, extended to 4): the MoE toggles and layouts above vary them
+# one or two at a time, so a config pairing some of them (an all-to-all dispatcher under TP 2 + SP with dropout:
+# seed 20261206 of benchmarks/accuracy_random.py) reached a cell whose runs all lacked one of its values, and its
+# MLP's own code (the bias-dropout-add after the experts) was answered without dropout's mask and output: -0.8%.
+# Experts as (E, top-k): local experts 2 to 8, a top-1 router with the softmax before it. MoE runs are unbiased
+# (TOGGLES `moe`). Its own grid (cpu_moe_cover), traced into fit/traces/cpu_moe_cover and not yet fitted into
+# cpu_compose: with these runs the greedy cell tree cuts some dense labels differently (docs/ACCURACY.md).
+MOE_COVER = {
+    "dispatcher": {"allgather": {}, "alltoall": {"--moe-token-dispatcher-type": "alltoall"}},
+    "layout": {"1": {}, "tp2sp": {"--tensor-model-parallel-size": 2, "--sequence-parallel": True},
+               "ep2": {"--expert-model-parallel-size": 2}},
+    "experts": {"e4k2": {"--num-experts": 4, "--moe-router-topk": 2},
+                "e8k1": {"--num-experts": 8, "--moe-router-topk": 1, "--moe-router-pre-softmax": True},
+                "e8k3": {"--num-experts": 8, "--moe-router-topk": 3}},
+    "dropout": {False: {}, True: {"--hidden-dropout": 0.1, "--attention-dropout": 0.1}},
+    "dtype": {"fp32": {}, "bf16": {"--bf16": True}},
+    "activation": {"gelu": {}, "swiglu": {"--swiglu": True}},
+    "norm": {"ln": {}, "rms": {"--normalization": "RMSNorm"}},
+    "mb1": {True: None, False: None},
+}
+
+
+# COVER_SHAPES, but every shape's tokens per rank (s*b, halved under SP) a multiple of 8, so that balanced routing
+# gives every expert the same count for each (E, top-k) above (40 x 3 under SP: 60 tokens x 3 / 8 experts is not)
+MOE_SHAPES = {True: COVER_SHAPES[True], False: [COVER_SHAPES[False][0], (32, 3, 128, 8, None, None, 256)]}
+
+
+def moe_covering_configs() -> list:
+    out = []
+    for j, row in enumerate(covering_rows((3, 4), cover=MOE_COVER, seed=20261207)):
+        flags = {"--disable-bias-linear": True}
+        for k, v in row.items():
+            flags.update(MOE_COVER[k][v] or {})
+        out.append(_entry(f"moecover{j:02d}", flags, MOE_SHAPES[row["mb1"]][j % 2]))
+    return out
+
+
 def main():
     cfgs = (configs() + kernel_configs() + triple_configs(1) + layout_configs() + bf16_configs()
             + covering_configs())
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
     write_grid("cpu_compose", doc_description(__doc__), "cpu", 2, COMMON, cfgs, __file__)
+    # traced into fit/traces/cpu_moe_cover, not yet fitted into cpu_compose (docs/ACCURACY.md, MoE covering array)
+    write_grid("cpu_moe_cover", "The MoE covering array of fit/grids/make_cpu_compose.py (MOE_COVER).", "cpu", 2,
+               COMMON, moe_covering_configs(), __file__)
 
 
 if __name__ == "__main__":

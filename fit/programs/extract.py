@@ -18,8 +18,9 @@ different expert counts share one structure and the count is fitted like a size 
 Another thread's allocation and free (gloo's worker in a CPU run) land at a moment that varies against the
 compute thread's events, run to run and layer to layer. Such a *worker pair* is kept apart from the compute
 events as (size, after, until): allocated after the first `after` compute events and freed after `until` of them.
-Programs of one structure take the widest window any of their instances had (the earliest `after`, the latest
-`until`), so the worker's buffer is counted over every moment it was seen live: a bound that errs high, named in
+A segment's worker pairs keep the order the worker allocated them, so the k-th pair of one run is the k-th of
+another. Programs of one structure take the widest window any of their instances had (the earliest `after`, the
+latest `until`), so the worker's buffer is counted over every moment it was seen live: a bound that errs high, named in
 the set (`+~` / `-~` events).
 
 A label repeats over layers, microbatches, iterations and ranks; identical layers allocate identically, so one
@@ -195,7 +196,9 @@ def rank_instances(pr, segs) -> list:
                 al = freed[i]
                 compute.append(Event(FREE, int(size[al]), _ref(segs, si, int(seg_of[m_idx[al]]), int(local_index[al]))))
         compute, workers = collapsed(compute, workers)
-        out.append((s, compute, tuple(sorted(tuple(w) for w in workers))))
+        # in the order the worker allocated them: what pairs a run's k-th worker buffer with another run's (sorted
+        # by size, two buffers whose sizes cross between runs would swap windows)
+        out.append((s, compute, tuple(tuple(w) for w in workers)))
     return out
 
 
