@@ -56,6 +56,12 @@ CASES = {
                       "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
                       "--moe-shared-expert-intermediate-size 48 --moe-layer-freq [1,0,1,1] "
                       "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall",
+    # Qwen3-MoE style (presets qwen3_30b_a3b, qwen3_235b_a22b): head dim above hidden / heads, QK RMSNorm, GQA,
+    # every layer MoE with a small expert ffn and top-k of 4, no shared experts, untied
+    "qwen3_moe_ep4": "--num-layers 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                     "--disable-bias-linear --group-query-attention --num-query-groups 2 --kv-channels 16 "
+                     "--qk-layernorm --untie-embeddings-and-output-weights --num-experts 8 --moe-router-topk 4 "
+                     "--moe-ffn-hidden-size 24 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall",
     # MoE: TP2 with EP2 and expert-TP1, gelu with biases (router bias too), every 2nd layer MoE
     "moe_tp2_ep2_etp1": "--num-layers 4 --num-experts 4 --moe-layer-freq 2 --tensor-model-parallel-size 2 "
                         "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
