@@ -61,3 +61,24 @@ def test_a_row_for_every_case_with_the_estimators_numbers(bench):
         assert cells[9] == f"{stage['after_step_bytes'] / GiB:.3f}"
         assert cells[-1] == f"{stage['bytes']['gpu_runtime'] / MiB:.1f}"
     assert "cases within target" in stdout.splitlines()[-1]
+
+
+def test_the_second_subset_is_read_and_refusals_are_listed(tmp_path):
+    """The second development subset (its own record format) is estimated case by case; a case whose flags the
+    estimator refuses is a row with that one-line refusal, never a crash, and is left out of the errors."""
+    more = os.path.join(ROOT, "benchmarks", "megatron_ci_dev_more.json")
+    with open(more, encoding="utf-8") as fh:
+        cases = json.load(fh)["cases"]
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_reference.py"), more,
+                          "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == [c["test_case"] for c in cases]
+    refused = [r for r in rows if "refused" in r]
+    assert refused and all("\n" not in r["refused"] and r["refused"] for r in refused)
+    assert f"refused ({len(refused)} of {len(rows)} cases" in res.stdout
+    for r, c in zip(rows, cases):
+        if "refused" not in r:
+            assert r["measured_peak_bytes"] == int(round(c["measured"]["max_allocated_GiB"] * GiB))
