@@ -149,7 +149,8 @@ def refusal(flag: str, values: list) -> str | None:
 def unknown_message(flag: str, extra: tuple = ()) -> str:
     """Megatron-LM's parser's complaint, with the nearest real flags."""
     import difflib  # on the error path only: its import costs the CLI's start-up
-    candidates = list(dict.fromkeys([*MEGATRON_LM, *TORCHRUN, *TOOL_OPTIONS, *extra]))   # a flag named twice: once
+    candidates = [c for c in dict.fromkeys([*MEGATRON_LM, *TORCHRUN, *TOOL_OPTIONS, *extra])   # each once,
+                  if c != flag]                                                                # never itself
     close = [RENAMED[flag]] if flag in RENAMED else difflib.get_close_matches(flag, candidates, n=3, cutoff=0.75)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     return f"unrecognized argument {flag}: Megatron-LM has no such flag{hint}"

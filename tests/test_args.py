@@ -142,6 +142,7 @@ def test_megatron_flags_that_change_nothing_are_ignored_with_their_values():
     ("--tensor-model-paralel-size 2", "--tensor-model-parallel-size"),
     ("--num-layer 4", "--num-layers"),
     ("--foo=bar", None),
+    ("--preset llama3_8b", None),    # get-training-info's own option, not Megatron's: never suggested as itself
 ])
 def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
     with pytest.raises(ConfigError) as err:
