@@ -111,10 +111,10 @@ def measured_gib(case: dict) -> tuple[float, float]:
     return m["max_allocated_GiB"], m["allocated_after_step_GiB"]
 
 
-def run(paths, formulas: str | None = None, imbalance: float | None = None) -> list[dict]:
+def run(paths: list, formulas: str | None = None, imbalance: float | None = None) -> list[dict]:
     from estimator.args import ConfigError
     rows = []
-    for path in [paths] if isinstance(paths, str) else paths:
+    for path in paths:
         with open(path) as fh:
             cases = json.load(fh)["cases"]
         for c in cases:

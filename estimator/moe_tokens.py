@@ -134,7 +134,10 @@ def routing(cfg) -> Routing:
         _g(cfg, "micro_batch_size", 1)) // (t if sp else 1)
     balanced = T * k / E
     forced = _g(cfg, "moe_router_force_load_balancing", False) and _g(cfg, "moe_imbalance", None) is None
-    F = forced_bounds(T, E, k, ep, n)[0] if forced else float(_g(cfg, "moe_imbalance", DEFAULT_IMBALANCE))
+    if forced:
+        F, forced_one = forced_bounds(T, E, k, ep, n)
+    else:
+        F = float(_g(cfg, "moe_imbalance", DEFAULT_IMBALANCE))
     C = _g(cfg, "moe_expert_capacity_factor", None)
     if C is not None and C < 0:
         C = None          # megatron-core's TransformerConfig: a negative factor means dropless
@@ -148,7 +151,7 @@ def routing(cfg) -> Routing:
         if _g(cfg, "moe_pad_expert_input_to_capacity", False):
             return Routing("padded", F, C, cap, T, ratio, ratio, ratio, n)
         rank, per_expert_cap = min(rank, ratio), min(per_expert_cap, ratio)
-    busiest = min(forced_bounds(T, E, k, ep, n)[1] if forced else 1.0 + (F - 1.0) * n, rank * n, per_expert_cap)
+    busiest = min(forced_one if forced else 1.0 + (F - 1.0) * n, rank * n, per_expert_cap)
     rest = max(0.0, (rank * n - busiest) / (n - 1)) if n > 1 else rank
     return Routing("capacity" if C is not None else "balanced", F, C or 0.0, cap, T, rank, busiest, rest, n,
                    forced)

@@ -4,6 +4,8 @@ Every line is at most WIDTH columns (tests/test_report_summary.py checks it over
 """
 from __future__ import annotations
 
+from estimator import verdict as V
+
 WIDTH = 100
 GiB = float(1 << 30)
 _CATS = (("activations", "activations"), ("optimizer_states", "optimizer states"), ("gradients", "gradients"),
@@ -93,7 +95,6 @@ def _stage_table(report, budget) -> list[str]:
     frag = (f"{allow['fragmentation_percent']:g}% of the peak" if allow.get("fragmentation_percent") is not None
             else "modelled (below)")
     ctx = allow["cuda_context_gib"]
-    from estimator import verdict as V
     measured = " (measured on H100 runs)" if ctx == V.DEFAULTS["cuda_context_gib"] else ""
     lines.append(f"  allowances: CUDA context and libraries {ctx:.2f} GiB{measured};")
     lines.append(f"    NCCL {allow['nccl_gib_per_communicator']:g} GiB x (communicators); fragmentation {frag}")

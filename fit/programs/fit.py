@@ -149,7 +149,8 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
             continue
         count = fit_count([p[i].count for p in progs], [r.point for r in runs])
         if count is False:
-            failed.append(i)
+            failed.append((i, "no count formula reproduces how many times it repeats on the "
+                           f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].count}" for j in range(min(4, len(progs))))))
             events.append((ev0.op, None, _common_ref(progs, i), None))
             continue
         sizes = [p[i].size for p in progs]
@@ -158,7 +159,8 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
         same = by_ref.get(_common_ref(progs, i)) if by_ref and ev0.op == FREE else None
         fit = solver.fit(sizes, [t for t, _ in same.most_common()] if same else ())
         if fit is None:
-            failed.append(i)
+            failed.append((i, "no sum of at most three candidate monomials reproduces its sizes on the "
+                           f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].size}" for j in range(min(4, len(progs))))))
             events.append((ev0.op, None, _common_ref(progs, i), None))
         else:
             events.append((ev0.op, fit.terms, _common_ref(progs, i), count))
@@ -174,13 +176,7 @@ def _fit_group(phase: str, label: str, members: list, split: tuple, keys: list, 
     order = sorted(by_cell)
     when = [by_cell[k][0] for k in order]
     seen = [_seen(label, by_cell[k][1]) for k in order]
-    reasons = [(i, "no sum of at most three candidate monomials reproduces its sizes on the "
-                f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].size}" for j in range(min(4, len(progs))))
-                if fit_count([p[i].count for p in progs], [r.point for r in runs]) is not False else
-                "no count formula reproduces how many times it repeats on the "
-                f"{len(runs)} runs: " + ", ".join(f"{progs[j][i].count}" for j in range(min(4, len(progs)))))
-               for i in failed]
-    return [Cell(phase, label, when, events, [r.path for r in runs], seen, list(notes), reasons)]
+    return [Cell(phase, label, when, events, [r.path for r in runs], seen, list(notes), failed)]
 
 
 # what a repeated free's count can be: one per local expert (E/EP), per expert, per routed choice; or a constant
