@@ -201,3 +201,95 @@ def test_traced_te_flash_layer_keeps_no_s_squared_term(tmp_path):
         assert sorted(per_layer) == [0, 1]
         for layer, got in per_layer.items():
             assert got == e * 16 * s * b * h + 16 * s * b + 4 * a * s * b, (s, layer, got)
+
+
+@pytest.mark.parametrize("p,bias", [(0.0, True), (0.0, False), (0.25, True), (0.25, False)])
+def test_fused_bias_dropout_add_values_gradients_and_mask(p, bias):
+    """megatron's bias-dropout-add: out = residual + dropout(x + bias). Without dropout the stand-in equals
+    megatron's own function (values and gradients); with it, the gradient reaching x is the kept pattern times
+    1 / (1 - p), and the output is the residual plus x + bias under that same pattern. Nothing is saved through
+    autograd (the 1-byte mask is held by the function itself, as inductor's backward frees it mid-way)."""
+    from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add_func
+
+    torch.manual_seed(3)
+    x, r = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    bb = torch.randn(16) if bias else None
+    g = torch.ones(8, 2, 16)
+    ins = (x, r, bb) if bias else (x, r)
+
+    def stand_in(x, r, b=None):
+        return standins._FusedBiasDropoutAdd.apply(x, b, r, p)
+
+    ys, gs = grads(stand_in, ins, g)
+    if p == 0.0:
+        yr, gr = grads(lambda x, r, b=None: _bias_dropout_add_func((x, b), r, p, True), ins, g)
+        torch.testing.assert_close(ys, yr)
+        for a, ref in zip(gs, gr):
+            torch.testing.assert_close(a, ref)
+    else:
+        keep = gs[0] * (1.0 - p)          # 1 where kept, 0 where dropped
+        assert set(keep.unique().tolist()) == {0.0, 1.0}
+        torch.testing.assert_close(ys, r + (x + (bb if bias else 0.0)) * keep / (1.0 - p))
+        torch.testing.assert_close(gs[1], g)
+        if bias:
+            torch.testing.assert_close(gs[2], gs[0].sum((0, 1)))
+    xx = x.clone().requires_grad_(True)
+    _, kept = saved(lambda: standins._FusedBiasDropoutAdd.apply(xx, None, r, p))
+    assert kept == []
+
+
+def _without_grad_casts(events: list, h: int) -> list:
+    """A CPU run's events less megatron DDP's gradient accumulation casts: main_grad.add_(grad) of a 16-bit grad
+    into an fp32 main_grad copies the grad to fp32 on a CPU (an alloc of 4*h bytes freed at once), which a GPU
+    kernel does not. Local references after a dropped allocation are renumbered."""
+    out, dropped, n = [], [], 0
+    i = 0
+    while i < len(events):
+        op, size, ref = events[i]
+        if op == "+" and size == 4 * h and i + 1 < len(events) and events[i + 1] == ("-", size, f"#{n}"):
+            dropped.append(n)
+            n += 1
+            i += 2
+            continue
+        if op == "+":
+            n += 1
+        if ref.startswith("#"):
+            k = int(ref[1:])
+            ref = f"#{k - sum(d < k for d in dropped)}"
+        out.append((op, size, ref))
+        i += 1
+    return out
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("dropout,bias", [(0.1, True), (0.0, True), (0.1, False)])
+def test_fused_bias_dropout_add_program_is_the_h100_one(tmp_path, dropout, bias):
+    """A bf16 TE-spec run on the stand-ins: the bias-dropout-add segments (`layers.*@self_attention`,
+    `layers.*@mlp`) allocate and free event for event what the H100 traces' programs (fit/sets/gpu_h100.json,
+    evaluated at this run's shapes) do, forward and backward, up to the CPU's gradient-accumulation casts."""
+    from estimator import formulas as F
+    from fit.programs.build import load_runs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = 128
+    cmd = [sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--gpu-kernels", "--out",
+           str(tmp_path), "--iterations", "2", "--", "--num-layers", "2", "--hidden-size", str(h),
+           "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+           "--micro-batch-size", "2", "--global-batch-size", "2", "--vocab-size", "512", "--bf16",
+           "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout)] + \
+        ([] if bias else ["--disable-bias-linear"])
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run,) = load_runs([str(tmp_path)])
+    assert run.switches["fuse_bda"] is True and run.switches["spec"] == "te"
+    gpu = F.load("gpu_h100").programs
+    compared = 0
+    for label in ("layers.*@self_attention", "layers.*@mlp"):
+        for phase in ("fwd", "bwd"):
+            cells, _ = gpu.select(phase, label, run.switches)
+            assert len(cells) == 1, (phase, label)
+            want = [(op, int(round(x)), ref) for op, x, ref in cells[0].evaluated(run.point)]
+            got = _without_grad_casts([(e.op, e.size, e.ref) for e in run.programs[(phase, label)].events()], h)
+            assert got == want, (phase, label)
+            compared += bool(want)
+    assert compared >= 2

@@ -131,6 +131,83 @@ def _install_bias_activation():
                 setattr(mod, name, orig)
 
 
+# ---------------------------------------------------------------------------------------- bias-dropout-add
+# inductor reduces a bias's gradient over the tokens in two passes: fp32 partial sums per block of this many rows
+# (H100 traces: s*b*h/(32*st) bytes, i.e. 4 bytes x h per 128 tokens), then the sum of the partials.
+_BIAS_GRAD_ROWS = 128
+
+
+_SCALARS: dict = {}
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor of `like`'s dtype, made once: multiplying by a Python float allocates a CPU scalar tensor
+    each time (a GPU kernel takes the scalar as an argument)."""
+    key = (value, like.dtype, like.device)
+    if key not in _SCALARS:
+        _SCALARS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return _SCALARS[key]
+
+
+class _FusedBiasDropoutAdd(torch.autograd.Function):
+    """megatron's bias_dropout_add_fused_train as torch.compile (inductor) runs it on a GPU, event for event as the
+    H100 traces show it: forward writes its output alone (with dropout: an 8-byte seed, freed at once, and the
+    1-byte mask it keeps; x + bias is never materialized); backward passes the output's gradient on as the
+    residual's (and as x's without dropout) and frees the mask as soon as x's gradient is made, before a bias's
+    gradient, which is reduced through fp32 partial sums. The mask marks dropped elements (masked_fill needs no
+    cast of a bool mask, which a CPU multiply would make)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, p):
+        dropped = None
+        if p > 0.0:
+            seed = torch.empty(1, dtype=torch.int64, device=x.device)
+            dropped = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(p)
+        out = torch.empty_like(x)
+        if bias is not None:
+            torch.add(x, bias, out=out)
+        else:
+            out.copy_(x)
+        if dropped is not None:
+            del seed
+            out.masked_fill_(dropped, 0).mul_(_scalar(1.0 / (1.0 - p), out))
+        out.add_(residual)
+        # a ctx attribute, not save_for_backward: the compiled backward frees the mask mid-way (above)
+        ctx.dropped, ctx.p, ctx.has_bias = dropped, p, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        dropped, ctx.dropped = ctx.dropped, None
+        gx = g
+        if dropped is not None:
+            gx = g.masked_fill(dropped, 0)
+            gx.mul_(_scalar(1.0 / (1.0 - ctx.p), gx))
+            del dropped
+        gb = None
+        if ctx.has_bias:
+            h = gx.shape[-1]
+            rows = gx.numel() // h
+            flat = gx.reshape(rows, h)
+            # inductor's fp32 partial sums: their buffer only (this sum needs none)
+            partial = torch.empty(rows * h // _BIAS_GRAD_ROWS, dtype=torch.float32, device=g.device)
+            gb = torch.empty(h, dtype=g.dtype, device=g.device)
+            torch.sum(flat, dim=0, out=gb)     # (on CPU in fp32 internally, no buffer of its own)
+            del partial
+        return gx, gb, g, None
+
+
+def _install_bias_dropout_add():
+    from megatron.core.fusions import fused_bias_dropout as fbd
+
+    def bias_dropout_add_fused_train(x_with_bias, residual, prob):
+        x, bias = x_with_bias
+        residual = residual if residual.dtype == x.dtype else residual.to(x.dtype)
+        return _FusedBiasDropoutAdd.apply(x, bias, residual, float(prob))
+
+    fbd.bias_dropout_add_fused_train = bias_dropout_add_fused_train
+
+
 # ----------------------------------------------------------------------------------------------------- RoPE
 class _FusedRoPE(torch.autograd.Function):
     """Transformer Engine's FusedRoPEFunc: keeps only the frequencies (shared by every layer), not the rotated input
@@ -387,6 +464,9 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     if k["fuse_act"] and not on_gpu:          # on a GPU megatron's torch.compile'd arithmetic runs as it is
         _install_bias_activation()
     tconfig.bias_activation_fusion = k["fuse_act"]
+    if k["fuse_bda"] and not on_gpu:          # on a GPU megatron's torch.compile'd function runs as it is
+        _install_bias_dropout_add()
+    tconfig.bias_dropout_fusion = k["fuse_bda"]
     if k["fuse_rope"] and not (on_gpu and rope_kernel_present()):
         _install_rope()
     tconfig.apply_rope_fusion = k["fuse_rope"]
