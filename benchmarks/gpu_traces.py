@@ -30,6 +30,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from estimator.gpu_runtime import TE_ITEMS  # noqa: E402
+from fit.dataset import header_kernels  # noqa: E402
 
 DEFAULT_DIR = os.path.join(ROOT, "fit", "traces", "gpu_h100")
 MiB = float(1 << 20)
@@ -100,11 +101,14 @@ def run(root: str, sets: list[str], only: list[str] | None = None) -> list[dict]
         with open(os.path.join(d, "rank0.json"), encoding="utf-8") as fh:
             head = json.load(fh)
         (pr,) = parse_run(d)    # once per config, for every set
-        row = {"config": name, "device": head.get("device"), "kernels": head.get("kernels"),
+        # what the run ran, as the fit reads it: its recorded families, and the fused bias-dropout-add and NCCL's
+        # collectives of a GPU run that recorded neither
+        kernels = header_kernels(head)
+        row = {"config": name, "device": head.get("device"), "kernels": kernels,
                "traced_peak_bytes": head["allocator_peak_bytes"], "sets": {}}
         for fs in sets:
-            peak, dropped = predicted_peak(argv, head["kernels"], fs, te)
-            ms, ps = saved_bytes(pr, argv, head["kernels"], fs)
+            peak, dropped = predicted_peak(argv, kernels, fs, te)
+            ms, ps = saved_bytes(pr, argv, kernels, fs)
             row["sets"][fs] = {"predicted_peak_bytes": peak, "gpu_runtime_left_out_bytes": dropped,
                                "peak_error_percent": 100.0 * (peak / head["allocator_peak_bytes"] - 1.0),
                                "saved_measured_bytes": ms, "saved_predicted_bytes": int(round(ps)),

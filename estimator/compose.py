@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import ChainMap
 
 from . import formulas as F
+from .formulas import STRUCTURE_SWITCHES
 from . import moe_tokens, transforms
 
 ROOT = "step"
@@ -369,12 +370,6 @@ def untraced_features(cfg, sw: dict, fset) -> list:
     if g("moe_shared_expert_intermediate_size", None):
         out.append("shared_experts")
     return out
-
-
-# The switches that change which ops a layer has (the op structure the fit records): a combination of their values
-# that no run had is a different layer, not a composition of measured parts.
-STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
-                      "recompute")
 
 
 def _traced_switches(fset) -> list:

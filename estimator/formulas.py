@@ -104,6 +104,10 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # for top-1): the router keeps the probabilities of all E experts per token, not of the k it picked.
     "pre_softmax": (True, False),
 }
+# The switches that change which ops a layer has (the op structure the fit records): a combination of their values
+# that no run had is a different layer, not a composition of measured parts.
+STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
+                      "recompute")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
 

@@ -161,6 +161,12 @@ def parsed_run(path: str, accept_damaged: bool = False) -> tuple[list, dict, dic
     cfg = hdr.get("config")
     if not isinstance(cfg, dict):
         raise DatasetError(f"{path}: rank header has no 'config' (not written by the profiler?)")
+    skipped = max(int((r.header or {}).get("skipped_iterations") or 0) for r in ranks)
+    if skipped:
+        # fp16's loss scaler skips the step of an iteration whose gradients overflow: the optimizer state is then
+        # made later or never, so the trace's step and static memory are not those of training
+        raise DatasetError(f"{path}: the loss scaler skipped {skipped} of its optimizer steps (fp16 gradients "
+                           f"overflowed at --initial-loss-scale); profile with a lower --initial-loss-scale")
     if "attention_softmax_in_fp32" not in cfg:
         # Traced before the harness read --attention-softmax-in-fp32: it ran megatron-core's default, the softmax
         # in fp32 (the switch softmax_fp32 then holds whatever the dtype).

@@ -62,3 +62,23 @@ def test_the_gradient_reduce_dtype_moves_the_estimate_as_it_moves_the_run(kind):
     measured = h32[0]["allocator_peak_bytes"] - h16[0]["allocator_peak_bytes"]
     predicted = _estimate(r32, "cpu_compose").max_peak_bytes - _estimate(r16, "cpu_compose").max_peak_bytes
     assert measured > 0 and predicted == pytest.approx(measured, rel=0.01)
+
+
+def test_the_bucket_copy_is_gloo_s_own():
+    """gloo reduce-scatters a flat copy of the whole gradient bucket; NCCL and torch's fake process group (which the
+    layout campaigns trace ranks on) hand megatron-core's tensors on as they are. The committed gloo run that peaks at
+    the step is estimated with the copy (test_estimate_matches_each_rank); the same config with the collectives of
+    a fake-group or GPU run has the step's own transient alone, smaller by the copy's excess over it."""
+    from estimator.memory import all_param_chunks
+    from estimator.static_memory import dp_layout, static_memory, step_transient_bytes
+    run, _ = _run("step_peak_grads_fp32")
+    cfg = parse_args(["--nproc_per_node", str(run["nproc"])] + run["argv"])
+    chunks = all_param_chunks(cfg)[0]
+    out = {}
+    for coll in ("gloo", "direct"):
+        cfg.kernels = {**CPU_KERNELS, "collectives": coll}
+        out[coll] = static_memory(cfg, chunks, device="cpu")
+    gloo, direct = out["gloo"], out["direct"]
+    own = direct.optimizer_detail["fp32_grad_copy_bytes"] + step_transient_bytes(chunks, *dp_layout(cfg))
+    assert direct.optimizer_step_transient_bytes == own
+    assert gloo.optimizer_step_transient_bytes > direct.optimizer_step_transient_bytes

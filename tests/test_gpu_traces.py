@@ -38,6 +38,7 @@ def bench(tmp_path_factory):
 
 
 def test_rows_are_the_parser_and_the_estimator(bench):
+    from fit.dataset import header_kernels
     from estimator import cli
     from estimator import report as R
     from tracer.parse import parse_run
@@ -49,8 +50,12 @@ def test_rows_are_the_parser_and_the_estimator(bench):
         assert r["traced_peak_bytes"] == pr.peak_bytes
         with open(os.path.join(d, "campaign.json")) as fh:
             argv = json.load(fh)["argv"]
+        # the kernels the run ran as the fitter reads them: an H100 trace's record predates `fuse_bda` and
+        # `collectives`, which a GPU run has as its flags say (fused) and as NCCL (direct)
+        kernels = header_kernels(pr.header)
+        assert (kernels["fuse_bda"], kernels["collectives"]) == (True, "direct")
         doc = R.to_json(cli.build_report(["--nproc_per_node", "1"] + argv, formulas="cpu_compose", device="cuda",
-                                         kernels=pr.header["kernels"]))
+                                         kernels=kernels))
         items = {i["name"]: i["bytes"] for i in doc["stages"][0]["gpu_runtime"]}
         # the campaign ran without Transformer Engine: its workspace and the caching allocator's rounding go
         left_out = items.get("512-byte block rounding", 0) + items.get("Transformer Engine GEMM workspace", 0)

@@ -276,3 +276,36 @@ def test_worker_buffers_pair_by_allocation_order_across_runs():
     sizes = [[size for size, _, _ in p.workers] for p in progs]
     assert windows[0] == windows[1] and all(w == sorted(w) for w in windows)
     assert sizes[0] != sorted(sizes[0]) or sizes[1] != sorted(sizes[1])   # ordered by allocation, not by size
+
+
+def test_structure_is_the_whole_model_when_pipeline_stages_are_the_majority():
+    """A pipeline stage runs part of the model: the first stage of PP 2 has no output layer or loss. Three PP 2
+    runs (their first stage is what a run's structure reads) and one single-process run of the same switches (Megatron's
+    GPU kernels on the stand-ins, fake process group): the fitted `step` children are the whole model's, in order,
+    so the estimator can take each stage's part of it; the majority (a first stage) would drop the loss everywhere."""
+    from fit.programs.switches import fit_structure
+    d = os.path.join(ROOT, "fit", "traces", "cpu_gpu_kernels")
+    runs = load_runs([os.path.join(d, n) for n in sorted(os.listdir(d))
+                      if n.startswith(("llama_pp2_", "llama_w1_s48"))])
+    stages = sorted(tuple(r.children["step"]) for r in runs)
+    assert len(set(stages)) == 2 and sum("loss" not in s for s in stages) == 3
+    (step,) = [e for e in fit_structure(runs) if e["op"] == "step"]
+    assert step["children"] == list(max(stages, key=len))
+    assert step["children"][-2:] == ["output_layer", "loss"] and "3 of 4 runs" in step["note"]
+
+
+def test_a_run_whose_loss_scaler_skipped_steps_is_refused(tmp_path):
+    """fp16's dynamic loss scale starts at 2**32 unless told otherwise; a short run then skips its optimizer steps
+    (the gradients overflow) and never makes the optimizer state: the fit refuses such a run, naming why."""
+    import shutil
+    from fit.dataset import DatasetError
+    src = os.path.join(ROOT, "fit", "traces", "cpu_gpu_kernels", "gpt_fp16_w1_s48_b1_h128")
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    load_runs([str(dst)])      # the committed run stepped every iteration (loss scale from 4096)
+    head = json.load(open(dst / "rank0.json"))
+    assert head["skipped_iterations"] == 0 and "--fp16" in head["argv"]
+    head["skipped_iterations"] = 3
+    (dst / "rank0.json").write_text(json.dumps(head))
+    with pytest.raises(DatasetError, match="loss scaler skipped 3 of its optimizer steps"):
+        load_runs([str(dst)])

@@ -143,7 +143,7 @@ def _qualifier(c) -> dict:
 
 
 def traced_structures(runs: list) -> list:
-    from estimator.compose import STRUCTURE_SWITCHES
+    from estimator.formulas import STRUCTURE_SWITCHES
     seen = {tuple((k, r.switches[k]) for k in STRUCTURE_SWITCHES if k in r.switches) for r in runs}
     return [dict(t) for t in sorted(seen, key=repr)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from estimator.compose import STRUCTURE_SWITCHES   # the estimator checks combinations of the same switches
+from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combinations of the same switches
 
 # Switches most likely to change what an op allocates come first, so ties between equally good splits prefer them;
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
@@ -101,9 +101,24 @@ def fit_structure(runs: list) -> list[dict]:
         keys = _structure_keys(have, op)
         for part, rs in parts(have, keys).items():
             variants = Counter(tuple(r.children[op]) for r in rs)
-            children, n = variants.most_common(1)[0]
-            entry = {"op": op, "when": dict(zip(keys, part)), "children": list(children)}
+            children = _union(list(variants))
+            entry = {"op": op, "when": dict(zip(keys, part)), "children": children}
             if len(variants) > 1:
+                n = variants.get(tuple(children), 0)
                 entry["note"] = f"{len(rs) - n} of {len(rs)} runs had other children: {sorted(variants)}"
             out.append(entry)
+    return out
+
+
+def _union(variants: list) -> list:
+    """The children of every variant, in forward order. A pipeline stage runs part of the model (the first stage
+    no output layer or loss, a later one no embedding), and the estimator takes each stage's part of the whole
+    list, so the list is the whole model's, never the most common stage's."""
+    variants = sorted(variants, key=lambda v: (-len(v), v))
+    out = list(variants[0])
+    for v in variants[1:]:
+        for i, child in enumerate(v):
+            if child not in out:
+                before = [c for c in v[:i] if c in out]
+                out.insert(out.index(before[-1]) + 1 if before else 0, child)
     return out

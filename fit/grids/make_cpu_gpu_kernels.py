@@ -1,0 +1,94 @@
+"""Writes fit/grids/cpu_gpu_kernels.json: Megatron-LM's default GPU kernels on their CPU stand-ins (tracer/standins.py:
+Transformer Engine's spec, flash attention, the fused bias-activation, RoPE and bias-dropout-add, 1-byte dropout
+masks) across parallel layouts, each rank traced alone on torch's fake process group (tracer/fake_world.py), whose
+collectives hand megatron-core's tensors on as NCCL does: one process (world 1), TP 2 and TP 4 with sequence
+parallelism, PP 2 (both stages), and TP 2 x PP 2 x DP 2 with the distributed optimizer (a first and a last stage);
+MoE (8 experts, top 2, grouped-query attention) over EP 4 with the all-to-all dispatcher (alone, with TP 2 + SP,
+on both stages of PP 2) and with the allgather one, and over EP 8 (one expert per rank).
+Three bases: Llama-style with multi-head and with grouped-query attention (no dropout), and GPT-style (LayerNorm,
+GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
+and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
+micro-batches of one sequence and of two. The campaigns before this one ran the stand-ins on one or two gloo
+processes with the fusions toggled one at a time; these are the combinations a GPU user runs by default.
+Run: python fit/grids/make_cpu_gpu_kernels.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from fit.campaign import doc_description, write_grid  # noqa: E402
+
+COMMON = ["--max-position-embeddings", "256", "--make-vocab-size-divisible-by", "64", "--transformer-impl",
+          "transformer_engine", "--seed", "1234"]
+LLAMA = {"--swiglu": True, "--normalization": "RMSNorm", "--position-embedding-type": "rope",
+         "--disable-bias-linear": True, "--untie-embeddings-and-output-weights": True, "--hidden-dropout": 0,
+         "--attention-dropout": 0, "--bf16": True}
+BASES = {
+    "llama": LLAMA,
+    "llama_gqa": {**LLAMA, "--group-query-attention": True, "--num-query-groups": 4},
+    "gpt": {"--hidden-dropout": 0.1, "--attention-dropout": 0.1, "--bf16": True},
+    "gpt_nodrop": {"--hidden-dropout": 0, "--attention-dropout": 0, "--bf16": True},
+    # fp16 starts its dynamic loss scale at 4096, not 2**32: from 2**32 the scaler skips every step of a short run
+    # (its gradients overflow), and a run that never steps holds no optimizer state (fit.dataset refuses it)
+    "gpt_fp16": {"--hidden-dropout": 0.1, "--attention-dropout": 0.1, "--fp16": True, "--initial-loss-scale": 4096},
+}
+# (seq, micro batch, hidden, heads, ffn, vocab)
+SHAPES = [(64, 2, 128, 8, 352, 512), (96, 1, 96, 8, 256, 384), (48, 1, 128, 8, 320, 448)]
+# name: (world, ranks traced, flags)
+LAYOUTS = {
+    "w1": (1, [0], {}),
+    "tp2_sp": (2, [0], {"--tensor-model-parallel-size": 2, "--sequence-parallel": True}),
+    "tp4_sp": (4, [0], {"--tensor-model-parallel-size": 4, "--sequence-parallel": True}),
+    "pp2": (2, [0, 1], {"--pipeline-model-parallel-size": 2, "--num-layers": 4}),
+    "tp2_pp2_dp2_do": (8, [0, 4], {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2,
+                                   "--num-layers": 4, "--sequence-parallel": True,
+                                   "--use-distributed-optimizer": True}),
+}
+MOE = {"--num-experts": 8, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 64}
+# MoE layouts, on the Llama-style base with grouped-query attention only (Mixtral's, GPT-OSS's and Qwen3's shape):
+# the all-to-all dispatcher over EP 4 alone, with TP 2 + SP, and on both stages of PP 2, and over EP 8 (one expert
+# per rank); the allgather dispatcher over EP 4
+MOE_LAYOUTS = {
+    "ep4_a2a": (4, [0], {**MOE, "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "alltoall"}),
+    "tp2_sp_ep4_a2a": (8, [0], {**MOE, "--tensor-model-parallel-size": 2, "--sequence-parallel": True,
+                                "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "alltoall"}),
+    "pp2_ep4_a2a": (8, [0, 4], {**MOE, "--pipeline-model-parallel-size": 2, "--num-layers": 4,
+                                "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "alltoall"}),
+    "ep4_ag": (4, [0], {**MOE, "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "allgather"}),
+    "ep8_a2a": (8, [0], {**MOE, "--expert-model-parallel-size": 8, "--moe-token-dispatcher-type": "alltoall"}),
+}
+
+
+def configs() -> list:
+    out = []
+    k = 0
+    # fp16 on two layouts: its programs are bf16's (2-byte elements); its loss scaler is static memory
+    # without dropout on three layouts: the programs of a layer without dropout have other events
+    few = {"gpt_fp16": ("w1", "tp2_pp2_dp2_do"), "gpt_nodrop": ("w1", "tp2_sp", "pp2")}
+    plan = [(b, f, {k: LAYOUTS[k] for k in few[b]} if b in few else LAYOUTS) for b, f in BASES.items()] + \
+        [("llama_moe", BASES["llama_gqa"], MOE_LAYOUTS)]
+    for base, base_flags, layouts in plan:
+        for layout, (world, ranks, lflags) in layouts.items():
+            flags = {**base_flags, **lflags}
+            for j in range(len(SHAPES)):
+                s, b, h, a, f, v = SHAPES[(k + j) % len(SHAPES)]
+                tp = flags.get("--tensor-model-parallel-size", 1)
+                pp = flags.get("--pipeline-model-parallel-size", 1)
+                dp = world // (tp * pp)
+                sett = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
+                        "--ffn-hidden-size": f, "--vocab-size": v, "--num-layers": 2,
+                        "--global-batch-size": b * dp * (2 * pp if pp > 1 else 1)}
+                switches = []
+                for key, val in flags.items():
+                    if val is True:
+                        switches.append(key)
+                    else:
+                        sett[key] = val
+                out.append({"name": f"{base}_{layout}_s{s}_b{b}_h{h}", "set": sett, "flags": switches,
+                            "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
+            k += 1
+    return out
+
+
+if __name__ == "__main__":
+    write_grid("cpu_gpu_kernels", doc_description(__doc__), "cpu", 3, COMMON, configs(), __file__)
