@@ -238,35 +238,13 @@ def test_fused_bias_dropout_add_values_gradients_and_mask(p, bias):
     assert kept == []
 
 
-def _without_grad_casts(events: list, h: int) -> list:
-    """A CPU run's events less megatron DDP's gradient accumulation casts: main_grad.add_(grad) of a 16-bit grad
-    into an fp32 main_grad copies the grad to fp32 on a CPU (an alloc of 4*h bytes freed at once), which a GPU
-    kernel does not. Local references after a dropped allocation are renumbered."""
-    out, dropped, n = [], [], 0
-    i = 0
-    while i < len(events):
-        op, size, ref = events[i]
-        if op == "+" and size == 4 * h and i + 1 < len(events) and events[i + 1] == ("-", size, f"#{n}"):
-            dropped.append(n)
-            n += 1
-            i += 2
-            continue
-        if op == "+":
-            n += 1
-        if ref.startswith("#"):
-            k = int(ref[1:])
-            ref = f"#{k - sum(d < k for d in dropped)}"
-        out.append((op, size, ref))
-        i += 1
-    return out
-
-
 @pytest.mark.megatron
 @pytest.mark.parametrize("dropout,bias", [(0.1, True), (0.0, True), (0.1, False)])
 def test_fused_bias_dropout_add_program_is_the_h100_one(tmp_path, dropout, bias):
     """A bf16 TE-spec run on the stand-ins: the bias-dropout-add segments (`layers.*@self_attention`,
     `layers.*@mlp`) allocate and free event for event what the H100 traces' programs (fit/sets/gpu_h100.json,
     evaluated at this run's shapes) do, forward and backward, up to the CPU's gradient-accumulation casts."""
+    from benchmarks.standin_programs import without_grad_casts
     from estimator import formulas as F
     from fit.programs.build import load_runs
 
@@ -289,7 +267,7 @@ def test_fused_bias_dropout_add_program_is_the_h100_one(tmp_path, dropout, bias)
             cells, _ = gpu.select(phase, label, run.switches)
             assert len(cells) == 1, (phase, label)
             want = [(op, int(round(x)), ref) for op, x, ref in cells[0].evaluated(run.point)]
-            got = _without_grad_casts([(e.op, e.size, e.ref) for e in run.programs[(phase, label)].events()], h)
+            got = without_grad_casts([(e.op, e.size, e.ref) for e in run.programs[(phase, label)].events()])
             assert got == want, (phase, label)
             compared += bool(want)
     assert compared >= 2
