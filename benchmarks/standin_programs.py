@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from collections import Counter, defaultdict
+from itertools import zip_longest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -82,9 +83,7 @@ def compare_run(run, gpu) -> dict:
         elif without_grad_casts(mine) in theirs:
             out[(phase, label)] = ("equal up to CPU casts", None)
         else:
-            first = next(((a, b) for a, b in zip(mine, theirs[0]) if a != b),
-                         (mine[len(theirs[0])] if len(mine) > len(theirs[0]) else None,
-                          theirs[0][len(mine)] if len(theirs[0]) > len(mine) else None))
+            first = next((a, b) for a, b in zip_longest(mine, theirs[0]) if a != b)
             out[(phase, label)] = ("differs", first)
     return out
 
@@ -118,9 +117,7 @@ def main(argv=None) -> int:
     print(f"{'op':58s} " + " ".join(f"{v:>22s}" for v in VERDICTS))
     for label in sorted(per_label):
         print(f"{label:58s} " + " ".join(f"{per_label[label][v]:22d}" for v in VERDICTS))
-    total = Counter()
-    for c in per_label.values():
-        total.update(c)
+    total = sum(per_label.values(), Counter())
     print(f"{'all':58s} " + " ".join(f"{total[v]:22d}" for v in VERDICTS))
     for label, (path, phase, (cpu, gpu_ev)) in sorted(example.items()):
         print(f"differs: {label} {phase} ({os.path.basename(path)}): stand-in {cpu}, H100 {gpu_ev}")

@@ -338,7 +338,8 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
         # A fused multi-tensor step (TE / apex FusedAdam) needs no parameter-sized temporaries; grad-norm / clipping
         # keep one fp32 vector of the largest tensor's shard at most (modelled, conservative).
         transient = 4 * -(-largest // (dp_dense if dist_opt else 1))
-    if device == "cpu" and _collectives(cfg) == "gloo":
+    from .formulas import kernels
+    if device == "cpu" and kernels(cfg)["collectives"] == "gloo":
         # gloo's reduce_scatter_tensor (and all_gather_into_tensor) works on a flat copy of the whole bucket, freed
         # when the collective ends (measured on CPU, DP 2 with the distributed optimizer: one grad-buffer-sized
         # tensor inside grad_sync, one param-buffer-sized one inside param_gather); NCCL and the fake process
@@ -347,12 +348,6 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
         transient = max(transient, bucket_top * gb - grad_copy)
     return StaticMemory(params, expert, weights, grads, master + states, detail, gnumel, padding,
                         grad_copy + transient, step)
-
-
-def _collectives(cfg: Any) -> str:
-    """The collectives switch of the run (estimator.formulas.kernels: what a trace recorded, else a GPU's)."""
-    from .formulas import kernels
-    return kernels(cfg)["collectives"]
 
 
 def adam_step(cfg: Any, device: str = "cuda") -> str:

@@ -65,7 +65,7 @@ def configs() -> list:
     # fp16 on two layouts: its programs are bf16's (2-byte elements); its loss scaler is static memory
     # without dropout on three layouts: the programs of a layer without dropout have other events
     few = {"gpt_fp16": ("w1", "tp2_pp2_dp2_do"), "gpt_nodrop": ("w1", "tp2_sp", "pp2")}
-    plan = [(b, f, {k: LAYOUTS[k] for k in few[b]} if b in few else LAYOUTS) for b, f in BASES.items()] + \
+    plan = [(b, f, {name: LAYOUTS[name] for name in few[b]} if b in few else LAYOUTS) for b, f in BASES.items()] + \
         [("llama_moe", BASES["llama_gqa"], MOE_LAYOUTS)]
     for base, base_flags, layouts in plan:
         for layout, (world, ranks, lflags) in layouts.items():
@@ -77,14 +77,10 @@ def configs() -> list:
                 dp = world // (tp * pp)
                 sett = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
                         "--ffn-hidden-size": f, "--vocab-size": v, "--num-layers": 2,
-                        "--global-batch-size": b * dp * (2 * pp if pp > 1 else 1)}
-                switches = []
-                for key, val in flags.items():
-                    if val is True:
-                        switches.append(key)
-                    else:
-                        sett[key] = val
-                out.append({"name": f"{base}_{layout}_s{s}_b{b}_h{h}", "set": sett, "flags": switches,
+                        "--global-batch-size": b * dp * (2 * pp if pp > 1 else 1),
+                        **{key: val for key, val in flags.items() if val is not True}}
+                out.append({"name": f"{base}_{layout}_s{s}_b{b}_h{h}", "set": sett,
+                            "flags": [key for key, val in flags.items() if val is True],
                             "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
             k += 1
     return out
