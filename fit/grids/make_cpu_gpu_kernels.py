@@ -4,7 +4,8 @@ masks) across parallel layouts, each rank traced alone on torch's fake process g
 collectives hand megatron-core's tensors on as NCCL does: one process (world 1), TP 2 and TP 4 with sequence
 parallelism, PP 2 (both stages), and TP 2 x PP 2 x DP 2 with the distributed optimizer (a first and a last stage);
 MoE (8 experts, top 2, grouped-query attention) over EP 4 with the all-to-all dispatcher (alone, with TP 2 + SP,
-on both stages of PP 2) and with the allgather one, and over EP 8 (one expert per rank).
+on both stages of PP 2) and with the allgather one, and over EP 8 (one expert per rank); and TP without sequence
+parallelism (Megatron's default: TP 2, TP 4, TP 2 x PP 2) on the GQA Llama-style and the GPT-style bases.
 Three bases: Llama-style with multi-head and with grouped-query attention (no dropout), and GPT-style (LayerNorm,
 GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
 and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
@@ -57,6 +58,15 @@ MOE_LAYOUTS = {
     "ep4_ag": (4, [0], {**MOE, "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "allgather"}),
     "ep8_a2a": (8, [0], {**MOE, "--expert-model-parallel-size": 8, "--moe-token-dispatcher-type": "alltoall"}),
 }
+# Tensor parallelism without sequence parallelism (Megatron's default: --sequence-parallel is opt-in): each TP rank
+# holds the full sequence, its column-parallel inputs need no all-gather and its row-parallel outputs are all-reduced
+# in place. On the GQA Llama-style and the GPT-style bases (the latter is the shape of Megatron-LM's own TP tests).
+NO_SP_LAYOUTS = {
+    "tp2": (2, [0], {"--tensor-model-parallel-size": 2}),
+    "tp4": (4, [0], {"--tensor-model-parallel-size": 4}),
+    "tp2_pp2": (4, [0, 2], {"--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2,
+                            "--num-layers": 4}),
+}
 
 
 def configs() -> list:
@@ -66,7 +76,8 @@ def configs() -> list:
     # without dropout on three layouts: the programs of a layer without dropout have other events
     few = {"gpt_fp16": ("w1", "tp2_pp2_dp2_do"), "gpt_nodrop": ("w1", "tp2_sp", "pp2")}
     plan = [(b, f, {name: LAYOUTS[name] for name in few[b]} if b in few else LAYOUTS) for b, f in BASES.items()] + \
-        [("llama_moe", BASES["llama_gqa"], MOE_LAYOUTS)]
+        [("llama_moe", BASES["llama_gqa"], MOE_LAYOUTS)] + \
+        [(b, BASES[b], NO_SP_LAYOUTS) for b in ("llama_gqa", "gpt")]   # appended: the configs above keep their shapes
     for base, base_flags, layouts in plan:
         for layout, (world, ranks, lflags) in layouts.items():
             flags = {**base_flags, **lflags}
