@@ -103,11 +103,16 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # MoE routing by --moe-router-pre-softmax (softmax over every expert, then the top k; megatron-core requires it
     # for top-1): the router keeps the probabilities of all E experts per token, not of the k it picked.
     "pre_softmax": (True, False),
+    # MoE experts as Transformer Engine's grouped GEMM (--moe-grouped-gemm with the TE spec: TEGroupedMLP, one GEMM
+    # over every local expert's tokens into one output) rather than megatron's SequentialMLP (a GEMM per expert,
+    # the outputs joined by a copy): other ops, other tensors. (The local spec's legacy GroupedMLP, deprecated and
+    # needing the grouped_gemm package, is not told apart: it is read as SequentialMLP.)
+    "grouped_gemm": (True, False),
 }
 # The switches that change which ops a layer has (the op structure the fit records): a combination of their values
 # that no run had is a different layer, not a composition of measured parts.
 STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
-                      "recompute")
+                      "recompute", "grouped_gemm")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
 
@@ -675,7 +680,8 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
 # What the built-in harness ran on CPU before the GPU stand-ins (tracer/standins.py), whatever the flags: the local
 # spec, no fused kernel, eager CPU dropout. Traces without a `kernels` record in their header ran this.
 CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse_softmax": False,
-               "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False, "collectives": "gloo"}
+               "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False, "collectives": "gloo",
+               "grouped_gemm": False}
 
 
 def collectives(process_group: str) -> str:
@@ -711,8 +717,9 @@ def kernels(cfg: Any) -> Dict[str, Any]:
     t = max(1, int(_get(cfg, "tensor_model_parallel_size", 1) or 1))
     heads = int(_get(cfg, "num_attention_heads", 1) or 1) // t
     s = int(_get(cfg, "seq_length", 0) or 0) // max(1, int(_get(cfg, "context_parallel_size", 1) or 1))
+    spec = "te" if _get(cfg, "transformer_impl", "transformer_engine") == "transformer_engine" else "local"
     return {
-        "spec": "te" if _get(cfg, "transformer_impl", "transformer_engine") == "transformer_engine" else "local",
+        "spec": spec,
         "attention": attention,
         "fuse_act": bool(_get(cfg, "bias_swiglu_fusion", True) if _get(cfg, "swiglu", False)
                          else _get(cfg, "bias_gelu_fusion", True)),
@@ -723,6 +730,8 @@ def kernels(cfg: Any) -> Dict[str, Any]:
         "dropout_mask": "byte",
         "fuse_bda": bool(_get(cfg, "bias_dropout_fusion", True)),
         "collectives": "direct",
+        "grouped_gemm": bool(_get(cfg, "moe_grouped_gemm", False) and _get(cfg, "num_experts", None)
+                             and spec == "te"),
     }
 
 
@@ -792,7 +801,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False)
         and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask",
-                                     "fuse_bda", "collectives")},
+                                     "fuse_bda", "collectives", "grouped_gemm")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,

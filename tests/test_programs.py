@@ -309,3 +309,18 @@ def test_a_run_whose_loss_scaler_skipped_steps_is_refused(tmp_path):
     (dst / "rank0.json").write_text(json.dumps(head))
     with pytest.raises(DatasetError, match="loss scaler skipped 3 of its optimizer steps"):
         load_runs([str(dst)])
+
+
+def test_grouped_gemm_experts_are_a_structure_of_their_own():
+    """MoE experts as TE's grouped GEMM (TEGroupedMLP: one linear_fc1 and one linear_fc2 over every local expert's
+    tokens) and as megatron's SequentialMLP (one subtree per local expert) are different op structures: the fitted
+    structure tells them apart by the `grouped_gemm` switch, from committed runs of both (the stand-ins, fake
+    process group, EP 4 with the all-to-all dispatcher)."""
+    from fit.programs.switches import fit_structure
+    d = os.path.join(ROOT, "fit", "traces", "cpu_gpu_kernels")
+    runs = load_runs([os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith("llama_moe_ep4_a2a_")])
+    assert sorted(r.switches["grouped_gemm"] for r in runs) == [False] * 3 + [True] * 3
+    entries = [e for e in fit_structure(runs) if e["op"] == "layers.*.mlp.experts"]
+    assert {e["when"]["grouped_gemm"]: e["children"] for e in entries} == {
+        True: ["layers.*.mlp.experts.linear_fc1", "layers.*.mlp.experts.linear_fc2"],
+        False: ["layers.*.mlp.experts.local_experts.*"]}

@@ -158,7 +158,13 @@ def test_kernels_follow_megatron_lm_flags():
             "--vocab-size", "256"]
     k = kernels(parse_args(base + ["--bf16"]))
     assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
-                 "dropout_mask": "byte", "fuse_bda": True, "collectives": "direct"}
+                 "dropout_mask": "byte", "fuse_bda": True, "collectives": "direct", "grouped_gemm": False}
+    # --moe-grouped-gemm: TE's grouped GEMM for MoE experts under the TE spec; megatron's local spec would build
+    # its legacy GroupedMLP instead (not told apart), and a dense model has no experts
+    moe = base + ["--bf16", "--num-experts", "4", "--moe-grouped-gemm"]
+    assert kernels(parse_args(moe))["grouped_gemm"] is True
+    assert kernels(parse_args(moe + ["--transformer-impl", "local"]))["grouped_gemm"] is False
+    assert kernels(parse_args(base + ["--bf16", "--moe-grouped-gemm"]))["grouped_gemm"] is False
     assert kernels(parse_args(base + ["--bf16", "--no-bias-dropout-fusion"]))["fuse_bda"] is False
     # fp32: TE has no flash / fused attention for it; 'auto' runs TE's unfused attention (an fp32 softmax)
     k = kernels(parse_args(base))
@@ -271,3 +277,95 @@ def test_fused_bias_dropout_add_program_is_the_h100_one(tmp_path, dropout, bias)
             assert got == want, (phase, label)
             compared += bool(want)
     assert compared >= 2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gemm_values_gradients_and_saved_tensors(bias):
+    """TE's GroupedLinear stand-in: each expert's rows times its own weight (an expert with no tokens included),
+    the gradients of a per-expert reference, and nothing saved but the input and the weights."""
+    torch.manual_seed(0)
+    splits = (3, 0, 5, 2)
+    x = torch.randn(sum(splits), 6, dtype=torch.float64)
+    ws = [torch.randn(4, 6, dtype=torch.float64) for _ in splits]
+    bs = [torch.randn(4, dtype=torch.float64) for _ in splits] if bias else []
+    g = torch.randn(sum(splits), 4, dtype=torch.float64)
+
+    def grouped(x, *params):
+        return standins._GroupedGemm.apply(x, splits, bias, *params)
+
+    def reference(x, *params):
+        w, b = params[:len(splits)], params[len(splits):]
+        parts = torch.split(x, list(splits))
+        return torch.cat([p @ w[i].t() + (b[i] if bias else 0) for i, p in enumerate(parts)])
+
+    _, kept = saved(grouped, *[t.clone().requires_grad_(True) for t in (x, *ws, *bs)])
+    assert sorted(kept) == sorted([(tuple(x.shape), x.dtype)] + [((4, 6), torch.float64)] * len(splits))
+    got, got_grads = grads(grouped, [x, *ws, *bs], g)
+    want, want_grads = grads(reference, [x, *ws, *bs], g)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+
+
+_GROUPED_VS_SEQUENTIAL = r'''
+import os, sys, tempfile, warnings
+warnings.filterwarnings("ignore")
+import torch
+import torch.nn.functional as F
+from tracer import megatron_compat, standins
+megatron_compat.install()
+torch.distributed.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.transformer_config import TransformerConfig
+ps.initialize_model_parallel(1, 1)
+model_parallel_cuda_manual_seed(1)
+n, h, fe = 4, 16, 8
+cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, num_moe_experts=n, moe_router_topk=2,
+                        moe_ffn_hidden_size=fe, add_bias_linear=False, use_cpu_initialization=True,
+                        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+                        moe_grouped_gemm=True, gradient_accumulation_fusion=False, params_dtype=torch.float64)
+provider, _ = standins._install_te_spec()
+module, subs = provider().grouped_mlp_modules(True, False)
+pgs = ProcessGroupCollection.use_mpu_process_groups()
+grouped = module(n, cfg, subs, pg_collection=pgs)
+seq = SequentialMLP(n, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                    pg_collection=pgs)
+with torch.no_grad():
+    for i, e in enumerate(seq.local_experts):
+        getattr(grouped.linear_fc1, f"weight{i}").copy_(e.linear_fc1.weight)
+        getattr(grouped.linear_fc2, f"weight{i}").copy_(e.linear_fc2.weight)
+tokens = torch.tensor([3, 0, 5, 2])            # an expert without tokens included
+x = torch.randn(int(tokens.sum()), h, dtype=torch.float64)
+probs = torch.rand(int(tokens.sum()), dtype=torch.float64)
+outs = []
+for m in (grouped, seq):
+    xi, pi = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+    y, _ = m(xi, tokens, pi)
+    y.backward(torch.ones_like(y))
+    outs.append((y.detach(), xi.grad, pi.grad))
+for a, b in zip(*outs):
+    torch.testing.assert_close(a, b)
+got = dict(grouped.named_parameters())
+for i, e in enumerate(seq.local_experts):
+    torch.testing.assert_close(got[f"linear_fc1.weight{i}"].grad, e.linear_fc1.weight.grad)
+    torch.testing.assert_close(got[f"linear_fc2.weight{i}"].grad, e.linear_fc2.weight.grad)
+print(type(grouped).__name__, type(grouped.linear_fc1).__name__, type(grouped.linear_fc2).__name__)
+'''
+
+
+@pytest.mark.megatron
+def test_grouped_gemm_in_megatrons_te_grouped_mlp_equals_its_sequential_mlp():
+    """The stand-in spec's grouped experts are megatron-core's own TEGroupedMLP with the grouped linears standing in
+    for TE's; given the same expert weights, tokens per expert and routing probabilities, it computes what megatron's
+    SequentialMLP computes: outputs, the gradients of the tokens and the probabilities, and every expert's weight
+    gradients (fp64, in a process of its own: it initializes megatron's parallel state)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _GROUPED_VS_SEQUENTIAL], cwd=root, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.split() == ["TEGroupedMLP", "StandinColumnParallelGroupedLinear",
+                                "StandinRowParallelGroupedLinear"]

@@ -347,7 +347,106 @@ def _modules():
             out = out.view(out.shape[0], out.shape[1], -1)
             return make_viewless_tensor(out, requires_grad=out.requires_grad, keep_graph=True)
 
-    return StandinNorm, StandinLayerNormColumnParallelLinear, StandinFlashAttention
+    class StandinGroupedLinear(MegatronModule):
+        """TEGroupedLinear (TE's GroupedLinear behind TEGroupedMLP, --moe-grouped-gemm): one weight per local
+        expert (weight0, weight1, ...; bias0, ... with biases), the expert tensor-parallel split done here as
+        megatron's wrapper does it (TE itself communicates nothing: the token dispatcher does)."""
+
+        parallel = None   # "column" (linear_fc1) or "row" (linear_fc2): the subclasses below
+
+        def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add,
+                     is_expert=True, tp_comm_buffer_name=None, pg_collection=None):
+            super().__init__(config=config)
+            tp = _expert_tp_size(pg_collection)
+            if self.parallel == "column":
+                output_size //= tp
+            else:
+                input_size //= tp
+            self.num_gemms, self.return_bias = num_gemms, skip_bias_add and bias
+            expert_parallel = config.expert_model_parallel_size > 1
+            dtype = config.params_dtype
+            for i in range(num_gemms):
+                w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+                init_method(w)
+                setattr(self, f"weight{i}", w)
+                if bias:
+                    setattr(self, f"bias{i}", torch.nn.Parameter(torch.zeros(output_size, dtype=dtype)))
+            for prm in self.parameters():
+                prm.allreduce = not (is_expert and expert_parallel)   # expert parameters: the expert DP buffers
+            self.use_bias = bias
+
+        def forward(self, x, m_splits):
+            n = self.num_gemms
+            weights = [getattr(self, f"weight{i}") for i in range(n)]
+            biases = [getattr(self, f"bias{i}") for i in range(n)] if self.use_bias else []
+            out = _GroupedGemm.apply(x, tuple(m_splits), self.use_bias and not self.return_bias, *weights, *biases)
+            if self.return_bias:
+                return out, biases
+            return out, None
+
+    class StandinColumnParallelGroupedLinear(StandinGroupedLinear):
+        parallel = "column"
+
+    class StandinRowParallelGroupedLinear(StandinGroupedLinear):
+        parallel = "row"
+
+    return (StandinNorm, StandinLayerNormColumnParallelLinear, StandinFlashAttention,
+            (StandinColumnParallelGroupedLinear, StandinRowParallelGroupedLinear))
+
+
+def _expert_tp_size(pg_collection) -> int:
+    if pg_collection is not None and getattr(pg_collection, "expt_tp", None) is not None:
+        return torch.distributed.get_world_size(pg_collection.expt_tp)
+    from megatron.core import parallel_state as ps
+    return ps.get_expert_tensor_parallel_world_size()
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """TE's _GroupedLinear without fp8: forward writes every expert's GEMM into one new [tokens, out] tensor (the
+    bias, where it is applied, in place: TE's GEMM epilogue) and saves the input (its per-expert row blocks are
+    views of it) and the weights; backward takes a contiguous gradient, makes the input's gradient [tokens, in],
+    then one weight gradient per expert (and one bias gradient per expert), then drops its reference to the input."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, add_bias, *params):
+        n = len(m_splits)
+        weights, biases = params[:n], params[n:]
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
+        start = 0
+        for i, m in enumerate(m_splits):
+            if m:
+                torch.mm(rows[start:start + m], weights[i].t(), out=out[start:start + m])
+                if add_bias:
+                    out[start:start + m].add_(biases[i])
+            start += m
+        ctx.m_splits, ctx.n_bias, ctx.in_shape = m_splits, len(biases), x.shape
+        ctx.save_for_backward(x, *weights)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, *weights = ctx.saved_tensors
+        m_splits = ctx.m_splits
+        g = g.contiguous()
+        g2 = g.view(-1, g.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
+        dgrad = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        starts = [sum(m_splits[:i]) for i in range(len(m_splits))]
+        for i, (s0, m) in enumerate(zip(starts, m_splits)):
+            if m:
+                torch.mm(g2[s0:s0 + m], weights[i], out=dgrad[s0:s0 + m])
+            else:
+                dgrad[s0:s0].zero_()
+        wgrads = [torch.empty(w.shape, dtype=x.dtype, device=x.device) for w in weights]
+        for i, (s0, m) in enumerate(zip(starts, m_splits)):
+            if m:
+                torch.mm(g2[s0:s0 + m].t(), rows[s0:s0 + m], out=wgrads[i])
+            else:
+                wgrads[i].zero_()
+        bgrads = [g2[s0:s0 + m].sum(dim=0) for s0, m in zip(starts, m_splits)] if ctx.n_bias else []
+        del x, rows
+        return (dgrad.view(ctx.in_shape), None, None, *wgrads, *bgrads)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -410,7 +509,10 @@ def _install_te_spec():
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    norm, ln_linear, flash = _modules()
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    norm, ln_linear, flash, grouped = _modules()
 
     class StandinTESpecProvider(LocalSpecProvider):
         attention = flash
@@ -426,6 +528,11 @@ def _install_te_spec():
 
         def core_attention(self):
             return self.attention
+
+        def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+            if moe_use_grouped_gemm and not moe_use_legacy_grouped_gemm:
+                return TEGroupedMLP, MLPSubmodules(linear_fc1=grouped[0], linear_fc2=grouped[1])
+            return super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
 
     specs.TESpecProvider = StandinTESpecProvider
     specs.TENorm = norm

@@ -5,7 +5,9 @@ collectives hand megatron-core's tensors on as NCCL does: one process (world 1),
 parallelism, PP 2 (both stages), and TP 2 x PP 2 x DP 2 with the distributed optimizer (a first and a last stage);
 MoE (8 experts, top 2, grouped-query attention) over EP 4 with the all-to-all dispatcher (alone, with TP 2 + SP,
 on both stages of PP 2) and with the allgather one, and over EP 8 (one expert per rank); and TP without sequence
-parallelism (Megatron's default: TP 2, TP 4, TP 2 x PP 2) on the GQA Llama-style and the GPT-style bases.
+parallelism (Megatron's default: TP 2, TP 4, TP 2 x PP 2) on the GQA Llama-style and the GPT-style bases; and MoE
+experts as Transformer Engine's grouped GEMM (--moe-grouped-gemm) on the MoE layouts above and on a GPT-style MoE
+base with the allgather dispatcher (alone over EP 4, with TP 2 + SP over EP 2 and EP 4).
 Three bases: Llama-style with multi-head and with grouped-query attention (no dropout), and GPT-style (LayerNorm,
 GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
 and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
@@ -68,6 +70,29 @@ NO_SP_LAYOUTS = {
                             "--num-layers": 4}),
 }
 
+# MoE experts as Transformer Engine's grouped GEMM (--moe-grouped-gemm: TEGroupedMLP, what Megatron-LM's MoE recipes
+# and its own MoE tests run) rather than SequentialMLP: on the GQA Llama-style base over the layouts above, and on
+# a GPT-style MoE base (no linear biases: TEGroupedMLP refuses biases under the fused bias-dropout-add; GELU unfused:
+# it fuses only SwiGLU and quick-GEGLU) with the allgather dispatcher alone, with TP 2 + SP over EP 2 and over EP 4.
+GG = {**MOE, "--moe-grouped-gemm": True}
+# The grouped-GEMM runs vary the experts, top-k and expert FFN width too (the runs before kept 8, 2 and 64): a size
+# of the experts' programs is then pinned in each of them, not fitted where they never moved. One per shape slot,
+# independent of the shape itself (the shapes rotate from layout to layout, these do not). Balanced routing gives
+# every expert the same count only where E divides a rank's tokens (s*b/st): elsewhere the first variant is used.
+GG_VARIANTS = ({"--num-experts": 8, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 64},
+               {"--num-experts": 16, "--moe-router-topk": 4, "--moe-ffn-hidden-size": 96},
+               {"--num-experts": 8, "--moe-router-topk": 4, "--moe-ffn-hidden-size": 48})
+MOE_GG_LAYOUTS = {f"{name}_gg": (world, ranks, {**flags, "--moe-grouped-gemm": True})
+                  for name, (world, ranks, flags) in MOE_LAYOUTS.items()}
+GPT_MOE = {**BASES["gpt"], "--disable-bias-linear": True, "--no-bias-gelu-fusion": True}
+GPT_MOE_GG_LAYOUTS = {
+    "ep4_ag_gg": (4, [0], {**GG, "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "allgather"}),
+    "tp2_sp_ep2_ag_gg": (4, [0], {**GG, "--tensor-model-parallel-size": 2, "--sequence-parallel": True,
+                                  "--expert-model-parallel-size": 2, "--moe-token-dispatcher-type": "allgather"}),
+    "tp2_sp_ep4_ag_gg": (8, [0], {**GG, "--tensor-model-parallel-size": 2, "--sequence-parallel": True,
+                                  "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "allgather"}),
+}
+
 
 def configs() -> list:
     out = []
@@ -77,12 +102,18 @@ def configs() -> list:
     few = {"gpt_fp16": ("w1", "tp2_pp2_dp2_do"), "gpt_nodrop": ("w1", "tp2_sp", "pp2")}
     plan = [(b, f, {name: LAYOUTS[name] for name in few[b]} if b in few else LAYOUTS) for b, f in BASES.items()] + \
         [("llama_moe", BASES["llama_gqa"], MOE_LAYOUTS)] + \
-        [(b, BASES[b], NO_SP_LAYOUTS) for b in ("llama_gqa", "gpt")]   # appended: the configs above keep their shapes
+        [(b, BASES[b], NO_SP_LAYOUTS) for b in ("llama_gqa", "gpt")] + \
+        [("llama_moe", BASES["llama_gqa"], MOE_GG_LAYOUTS), ("gpt_moe", GPT_MOE, GPT_MOE_GG_LAYOUTS)]
+    # (each group appended after the ones before it, which keep their shapes)
     for base, base_flags, layouts in plan:
         for layout, (world, ranks, lflags) in layouts.items():
             flags = {**base_flags, **lflags}
             for j in range(len(SHAPES)):
                 s, b, h, a, f, v = SHAPES[(k + j) % len(SHAPES)]
+                if flags.get("--moe-grouped-gemm"):
+                    st = flags.get("--tensor-model-parallel-size", 1) if flags.get("--sequence-parallel") else 1
+                    var = GG_VARIANTS[j]
+                    flags = {**flags, **(var if (s * b // st) % var["--num-experts"] == 0 else GG_VARIANTS[0])}
                 tp = flags.get("--tensor-model-parallel-size", 1)
                 pp = flags.get("--pipeline-model-parallel-size", 1)
                 dp = world // (tp * pp)

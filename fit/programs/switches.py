@@ -11,7 +11,7 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
 ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization", "gqa",
          "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias", "tied", "fuse_act", "fuse_softmax",
-         "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore", "a2a", "le1", "epx", "pre_softmax")
+         "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore", "a2a", "le1", "epx", "pre_softmax", "grouped_gemm")
 
 # The switches that can change a label's allocations, where fewer than all (the longest matching label prefix
 # applies; a label without one may depend on any switch): a split on any other switch can only be a coincidence of
@@ -45,7 +45,7 @@ RELEVANT = {
     # (and dropout: the bias-dropout-add after the MLP hands its last linear's backward a gradient of its own under
     # dropout, which that backward frees, and a shared one without)
     "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "a2a", "activation", "bias", "fuse_act", "dropout",
-                                   "dropout_mask"),
+                                   "dropout_mask", "grouped_gemm"),
     # The MoE layer's own code around its experts (the token dispatcher's permute, exchange, sort and their
     # inverses) never sees the experts' activation or biases, nor the norm before the router (no spec fuses it
     # into the dispatch), nor the micro-batch's shape (it flattens the tokens first); the experts' own code splits
@@ -56,8 +56,8 @@ RELEVANT = {
     "layers.*.mlp.router": _MOE_CODE + ("pre_softmax",),
     # (after the experts: the combine's backward frees the layer's output gradient, a tensor of its own under
     # dropout, as after a dense MLP)
-    "layers.*.mlp@experts": _MOE_CODE + ("dropout",),
-    "layers.*.mlp.experts": _MOE_CODE + ("mb1", "activation", "bias", "fuse_act"),
+    "layers.*.mlp@experts": _MOE_CODE + ("dropout", "grouped_gemm"),
+    "layers.*.mlp.experts": _MOE_CODE + ("mb1", "activation", "bias", "fuse_act", "grouped_gemm"),
     # the layer's own code after its attention and after its MLP: the bias-dropout-add into the residual stream
     # (after an MoE layer's MLP, of what its dispatcher returns)
     "layers.*@self_attention": _LAYER_PART + ("dropout", "dropout_mask", "bias", "fuse_bda"),
