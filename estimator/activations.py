@@ -244,7 +244,7 @@ def untraced_switches(cache) -> dict:
     """The config's kernel switch values that the set never traced, where it traced exactly one value of that
     switch (so every segment it answered came from that value): {switch: (config's value, traced value)}. The
     values compose.untraced_features reads (no mask without dropout)."""
-    seen = cache.fset._cache.get("seen switch values") or {}
+    seen = cache.fset.seen_switch_values() if cache.fset.composed else {}
     sw = cache.sw
     return {k: (sw[k], next(iter(seen[k]))) for k in KERNEL_SWITCHES
             if k in sw and len(seen.get(k, ())) == 1 and sw[k] not in seen[k]

@@ -623,7 +623,7 @@ def _stage_events(cfg, ctx, rank, iterations: int, labelled: bool = False, repea
     from . import persistent_state
     st = stage_stream(cfg, cache, chunks, rank.pp_rank, rank.static,
                       tp_overlap.buffer_bytes(cfg) + persistent_state.stage_bytes(cfg, chunks), iterations,
-                      attention_buffer_bytes(cfg, cache.fset.measured_on_standins) if has_layers else 0.0,
+                      attention_buffer_bytes(cfg, cache.fset.te_scores_in_buffer) if has_layers else 0.0,
                       runtime_tensors(rank), labelled, repeat)
     return st if labelled else st.events
 

@@ -341,21 +341,7 @@ def _structure(fset, op: str) -> list:
 def untraced_features(cfg, sw: dict, fset) -> list:
     """Config features a composed set cannot express (no traced run had them), named for the report."""
     out = []
-    seen_values = fset._cache.get("seen switch values")
-    if seen_values is None:
-        seen_values = fset._cache["seen switch values"] = {}
-        for sf in fset.segments:
-            for k, vals in sf.seen:
-                seen_values.setdefault(k, set()).update(vals)
-        for cell in fset.programs.cells if fset.programs is not None else ():
-            for i in range(len(cell.when)):
-                for k, vals in cell.seen_of(i).items():
-                    seen_values.setdefault(k, set()).update(vals)
-        # A set fitted before the kernel switches existed saw only the CPU kernels.
-        for k, v in F.CPU_KERNELS.items():
-            if k not in ("fuse_bda", "collectives"):   # recorded since program sets: older sets never told them apart
-                seen_values.setdefault(k, {v})
-        seen_values.setdefault("fuse_ce", {"none"})   # a set fitted before this switch existed
+    seen_values = fset.seen_switch_values()
     for k, v in sw.items():
         if k == "dropout_mask" and not sw.get("dropout"):
             continue    # no dropout, no mask
@@ -475,6 +461,9 @@ STANDIN_FAMILIES = (
     (("fuse_act", True), "fused bias-activation"),
     (("fuse_softmax", True), "fused masked softmax"),
     (("fuse_rope", True), "fused RoPE"),
+    (("fuse_bda", True), "fused bias-dropout-add"),
+    (("grouped_gemm", True), "grouped GEMM experts"),
+    (("scores", "call"), "unfused attention"),
 )
 
 

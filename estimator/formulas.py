@@ -108,6 +108,10 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # the outputs joined by a copy): other ops, other tensors. (The local spec's legacy GroupedMLP, deprecated and
     # needing the grouped_gemm package, is not told apart: it is read as SequentialMLP.)
     "grouped_gemm": (True, False),
+    # Where the unfused attention's [b, a/t, s, s] scores live: megatron's global memory buffer (the local spec's
+    # DotProductAttention: one persistent tensor) or a new tensor per call (Transformer Engine's unfused backend: a
+    # forward transient). Runs traced before TE's per-call stand-in kept them in the buffer under the TE spec too.
+    "scores": ("buffer", "call"),
 }
 # The switches that change which ops a layer has (the op structure the fit records): a combination of their values
 # that no run had is a different layer, not a composition of measured parts.
@@ -248,6 +252,32 @@ class FormulaSet:
         """Fitted from traces of the built-in harness, which runs Transformer Engine's modules as stand-ins
         (tracer/standins.py) on CPU and on the H100 alike: every fitted set; the modelled set describes TE itself."""
         return self.kind != "modelled"
+
+    def seen_switch_values(self) -> Dict[str, set]:
+        """Per switch, the values some run of the set had (a composed or program set; cached)."""
+        seen = self._cache.get("seen switch values")
+        if seen is None:
+            seen = self._cache["seen switch values"] = {}
+            for sf in self.segments:
+                for k, vals in sf.seen:
+                    seen.setdefault(k, set()).update(vals)
+            for cell in self.programs.cells if self.programs is not None else ():
+                for i in range(len(cell.when)):
+                    for k, vals in cell.seen_of(i).items():
+                        seen.setdefault(k, set()).update(vals)
+            # A set fitted before the kernel switches existed saw only the CPU kernels.
+            for k, v in CPU_KERNELS.items():
+                if k not in ("fuse_bda", "collectives"):  # recorded since program sets: older sets never told them apart
+                    seen.setdefault(k, {v})
+            seen.setdefault("fuse_ce", {"none"})   # a set fitted before this switch existed
+        return seen
+
+    @property
+    def te_scores_in_buffer(self) -> bool:
+        """A fitted set whose runs never had Transformer Engine's unfused attention make its scores per call (the
+        stand-ins kept them in megatron's global buffer before): for TE's unfused backend the estimate then adds
+        that buffer, standing for the scores' forward transient its programs lack (errs high)."""
+        return self.measured_on_standins and "call" not in self.seen_switch_values().get("scores", ())
 
     @property
     def measured_on_gpu(self) -> bool:
@@ -681,7 +711,7 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
 # spec, no fused kernel, eager CPU dropout. Traces without a `kernels` record in their header ran this.
 CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse_softmax": False,
                "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False, "collectives": "gloo",
-               "grouped_gemm": False}
+               "grouped_gemm": False, "scores": "buffer"}
 
 
 def collectives(process_group: str) -> str:
@@ -732,6 +762,7 @@ def kernels(cfg: Any) -> Dict[str, Any]:
         "collectives": "direct",
         "grouped_gemm": bool(_get(cfg, "moe_grouped_gemm", False) and _get(cfg, "num_experts", None)
                              and spec == "te"),
+        "scores": "call" if spec == "te" and attention == "unfused" else "buffer",
     }
 
 
@@ -801,7 +832,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False)
         and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask",
-                                     "fuse_bda", "collectives", "grouped_gemm")},
+                                     "fuse_bda", "collectives", "grouped_gemm", "scores")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,

@@ -165,8 +165,8 @@ def stage_items(cfg, stage_chunks, pp_rank: int, env: Optional[dict] = None, mem
                 gpu: bool = True, standin: bool = False) -> list:
     """The stage's runtime buffers (Item), in the order the module docstring gives them. stage_chunks: the stage's
     memory.Chunk list (key = ("chunk", MoE flag per layer, has embedding, has output layer)). gpu=False: a CPU run
-    of the same code (what the CPU traces measure): only the buffers it allocates too. standin: the formula set was
-    measured on the stand-ins (static_memory.attention_buffer_bytes)."""
+    of the same code (what the CPU traces measure): only the buffers it allocates too. standin: the formula set's TE
+    unfused attention kept its scores in megatron's buffer (static_memory.attention_buffer_bytes)."""
     kinds = [k for c in stage_chunks for k in c.key[1]]
     has_layers, has_moe = bool(kinds), any(kinds)
     has_output = any([c.key[3] for c in stage_chunks])

@@ -146,7 +146,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     if chunks_by_stage is None:
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
-    standin = fset.measured_on_standins
+    standin = fset.te_scores_in_buffer
     attn_buffer = attention_buffer_bytes(cfg, standin)
     userbuffers = tp_overlap.buffer_bytes(cfg)  # every rank, from initialization on (under `other`)
     memo: dict = {}  # equal chunks and equal stages (same layer kinds, same place in the model) are evaluated once

@@ -394,18 +394,20 @@ def local_spec(cfg: Any) -> bool:
     return _g(cfg, "transformer_impl", "transformer_engine") == "local" or bool(spec and spec[0] == "local")
 
 
-def attention_buffer_bytes(cfg: Any, standin: bool = False) -> int:
+def attention_buffer_bytes(cfg: Any, te_scores_in_buffer: bool = False) -> int:
     """megatron-core's local DotProductAttention takes its baddbmm output from the global memory buffer
     (parallel_state.get_global_memory_buffer().get_tensor((b * heads / TP, sq, sk), dtype, "mpu")): one tensor per
     process, allocated by the first forward and kept for the rest of training (measured on CPU: b*(a/t)*s*s
     elements of the activation dtype, e.g. 175,616 B for b=2, a=7, s=56, fp32). 0 where no layer runs it.
-    standin: the set was measured on the stand-ins (tracer/standins.py: every fitted set), whose TE spec runs its
-    unfused backend as that same DotProductAttention (on the H100 traces: the 54 / 72 MiB the fp32 runs keep in
-    core attention). Transformer Engine's own unfused attention allocates its scores per call instead, a forward
-    transient the stand-in runs' programs do not hold: the buffer stands for it there and errs high."""
+    Transformer Engine's unfused attention makes its scores per call instead (a forward transient, in the programs
+    of runs traced with it: the `scores` switch); a run traced with the earlier stand-in kept them in this buffer
+    under the TE spec too (its recorded `scores`: "buffer"; on the H100 traces the 54 / 72 MiB the fp32 runs keep
+    in core attention). te_scores_in_buffer: the set has only such runs (FormulaSet.te_scores_in_buffer): its
+    programs lack the transient, and the buffer stands for it (errs high)."""
     if not local_spec(cfg):
         from .formulas import kernels
-        if not (standin and kernels(cfg)["attention"] == "unfused"):
+        k = kernels(cfg)
+        if k["attention"] != "unfused" or (k["scores"] == "call" and not te_scores_in_buffer):
             return 0
     e = DTYPE_BYTES[precision(cfg)[0]]
     s = _g(cfg, "seq_length", 0) // _g(cfg, "context_parallel_size", 1)

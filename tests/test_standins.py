@@ -158,7 +158,8 @@ def test_kernels_follow_megatron_lm_flags():
             "--vocab-size", "256"]
     k = kernels(parse_args(base + ["--bf16"]))
     assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
-                 "dropout_mask": "byte", "fuse_bda": True, "collectives": "direct", "grouped_gemm": False}
+                 "dropout_mask": "byte", "fuse_bda": True, "collectives": "direct", "grouped_gemm": False,
+                 "scores": "buffer"}
     # --moe-grouped-gemm: TE's grouped GEMM for MoE experts under the TE spec; megatron's local spec would build
     # its legacy GroupedMLP instead (not told apart), and a dense model has no experts
     moe = base + ["--bf16", "--num-experts", "4", "--moe-grouped-gemm"]
@@ -168,7 +169,7 @@ def test_kernels_follow_megatron_lm_flags():
     assert kernels(parse_args(base + ["--bf16", "--no-bias-dropout-fusion"]))["fuse_bda"] is False
     # fp32: TE has no flash / fused attention for it; 'auto' runs TE's unfused attention (an fp32 softmax)
     k = kernels(parse_args(base))
-    assert (k["spec"], k["attention"], k["fuse_softmax"]) == ("te", "unfused", False)
+    assert (k["spec"], k["attention"], k["fuse_softmax"], k["scores"]) == ("te", "unfused", False, "call")
     k = kernels(parse_args(base + ["--transformer-impl", "local", "--bf16", "--position-embedding-type", "rope",
                                    "--disable-bias-linear"]))
     # no bias: no fused bias-gelu (Megatron-LM turns it off); unfused 16-bit attention: the fused softmax
@@ -307,22 +308,37 @@ def test_grouped_gemm_values_gradients_and_saved_tensors(bias):
         torch.testing.assert_close(a, b)
 
 
-_GROUPED_VS_SEQUENTIAL = r'''
-import os, sys, tempfile, warnings
+# megatron-core in a process of its own (the scripts below initialize its parallel state): one gloo rank on CPU
+_ONE_RANK = r'''
+import tempfile, warnings
 warnings.filterwarnings("ignore")
 import torch
-import torch.nn.functional as F
 from tracer import megatron_compat, standins
 megatron_compat.install()
 torch.distributed.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 from megatron.core import parallel_state as ps
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
-from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 ps.initialize_model_parallel(1, 1)
 model_parallel_cuda_manual_seed(1)
+'''
+
+
+def run_one_rank(script: str) -> list:
+    """stdout's words of `script` run after _ONE_RANK in a fresh interpreter (the test fails on its error)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _ONE_RANK + script], cwd=root, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout.split()
+
+
+_GROUPED_VS_SEQUENTIAL = r'''
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
 n, h, fe = 4, 16, 8
 cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, num_moe_experts=n, moe_router_topk=2,
                         moe_ffn_hidden_size=fe, add_bias_linear=False, use_cpu_initialization=True,
@@ -363,9 +379,38 @@ def test_grouped_gemm_in_megatrons_te_grouped_mlp_equals_its_sequential_mlp():
     for TE's; given the same expert weights, tokens per expert and routing probabilities, it computes what megatron's
     SequentialMLP computes: outputs, the gradients of the tokens and the probabilities, and every expert's weight
     gradients (fp64, in a process of its own: it initializes megatron's parallel state)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _GROUPED_VS_SEQUENTIAL], cwd=root, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": root})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert r.stdout.split() == ["TEGroupedMLP", "StandinColumnParallelGroupedLinear",
-                                "StandinRowParallelGroupedLinear"]
+    assert run_one_rank(_GROUPED_VS_SEQUENTIAL) == ["TEGroupedMLP", "StandinColumnParallelGroupedLinear",
+                                                    "StandinRowParallelGroupedLinear"]
+
+
+_TE_UNFUSED_VS_LOCAL = r'''
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+s, b, a, g, d = 12, 2, 4, 2, 8
+cfg = TransformerConfig(num_layers=1, hidden_size=a * d, num_attention_heads=a, num_query_groups=g,
+                        attention_dropout=0.0, masked_softmax_fusion=False, params_dtype=torch.float64)
+provider, unfused = standins._install_te_spec()
+mods = [cls(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        for cls in (unfused, DotProductAttention)]
+q, k, v = (torch.randn(s, b, n, d, dtype=torch.float64) for n in (a, g, g))
+mask = torch.triu(torch.ones(b, 1, s, s, dtype=torch.bool), diagonal=1)
+outs = []
+for m in mods:
+    ps._GLOBAL_MEMORY_BUFFER = None
+    ps._set_global_memory_buffer()
+    qi, ki, vi = (t.clone().requires_grad_(True) for t in (q, k, v))
+    y = m(qi, ki, vi, mask)
+    y.backward(torch.ones_like(y))
+    outs.append((y.detach(), qi.grad, ki.grad, vi.grad))
+    print(type(m).__name__, len(ps.get_global_memory_buffer().buffer))
+for x, y in zip(*outs):
+    torch.testing.assert_close(x, y)
+'''
+
+
+@pytest.mark.megatron
+def test_te_unfused_attention_makes_its_scores_per_call_and_computes_the_local_attention():
+    """TE's unfused backend stand-in computes what megatron's local DotProductAttention computes (GQA, causal mask;
+    outputs and the q, k, v gradients, fp64) but leaves megatron's global memory buffer untouched: its scores are a
+    tensor of each call (TE's UnfusedDotProductAttention), where the local attention keeps them in that buffer."""
+    assert run_one_rank(_TE_UNFUSED_VS_LOCAL) == ["StandinUnfusedAttention", "0", "DotProductAttention", "1"]

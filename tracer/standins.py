@@ -347,6 +347,36 @@ def _modules():
             out = out.view(out.shape[0], out.shape[1], -1)
             return make_viewless_tensor(out, requires_grad=out.requires_grad, keep_graph=True)
 
+    class StandinUnfusedAttention(DotProductAttention):
+        """TEDotProductAttention with TE's unfused backend (UnfusedDotProductAttention; fp32, or
+        --attention-backend unfused): megatron's local attention, whose scores live in megatron's global memory
+        buffer, but with the scores as TE makes them: an empty [b*a/t, s, s] tensor handed to baddbmm (beta 0),
+        released once baddbmm returns its new output, which stays referenced to the end of the forward (a forward
+        transient, not a persistent buffer). GQA's k and v repeated per head, the softmax (megatron's fused module
+        and its stand-in kernel), the dropout and the second batched GEMM as megatron's local attention has them."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            from megatron.core import tensor_parallel
+            assert packed_seq_params is None and attention_bias is None, "stand-in: no packed sequences / bias"
+            heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+            if heads // groups > 1:
+                key = key.repeat_interleave(heads // groups, dim=2)
+                value = value.repeat_interleave(heads // groups, dim=2)
+            sq, b, sk = query.size(0), query.size(1), key.size(0)
+            q = query.reshape(sq, b * heads, -1)
+            k = key.reshape(sk, b * heads, -1)
+            scores = torch.empty(b * heads, sq, sk, dtype=q.dtype, device=q.device)
+            scores = torch.baddbmm(scores, q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2), beta=0.0,
+                                   alpha=self.softmax_scale).view(b, heads, sq, sk)
+            probs = self.scale_mask_softmax(scores, attention_mask, self.softmax_offset)
+            with tensor_parallel.get_cuda_rng_tracker().fork():    # TE's attention_dropout_ctx
+                probs = self.attention_dropout(probs)
+            v = value.reshape(sk, b * heads, -1)
+            context = torch.bmm(probs.view(b * heads, sq, sk), v.transpose(0, 1))
+            context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
+            return context.view(sq, b, -1)
+
     class StandinGroupedLinear(MegatronModule):
         """TEGroupedLinear (TE's GroupedLinear behind TEGroupedMLP, --moe-grouped-gemm): one weight per local
         expert (weight0, weight1, ...; bias0, ... with biases), the expert tensor-parallel split done here as
@@ -390,7 +420,7 @@ def _modules():
     class StandinRowParallelGroupedLinear(StandinGroupedLinear):
         parallel = "row"
 
-    return (StandinNorm, StandinLayerNormColumnParallelLinear, StandinFlashAttention,
+    return (StandinNorm, StandinLayerNormColumnParallelLinear, StandinFlashAttention, StandinUnfusedAttention,
             (StandinColumnParallelGroupedLinear, StandinRowParallelGroupedLinear))
 
 
@@ -507,12 +537,10 @@ def _install_te_spec():
     through it: norms fused into linear_qkv and linear_fc1, TE core attention, TENorm for the final norm)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    norm, ln_linear, flash, grouped = _modules()
+    norm, ln_linear, flash, unfused, grouped = _modules()
 
     class StandinTESpecProvider(LocalSpecProvider):
         attention = flash
@@ -536,7 +564,7 @@ def _install_te_spec():
 
     specs.TESpecProvider = StandinTESpecProvider
     specs.TENorm = norm
-    return StandinTESpecProvider, DotProductAttention
+    return StandinTESpecProvider, unfused
 
 
 def _importable(name: str) -> bool:
@@ -580,5 +608,5 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     if k["spec"] == "te" and not (on_gpu and _importable("transformer_engine")):
         provider, unfused = _install_te_spec()
         if k["attention"] != "flash":
-            provider.attention = unfused     # TE's unfused backend: megatron's unfused attention, fused softmax
+            provider.attention = unfused     # TE's unfused backend
     return k

@@ -7,7 +7,9 @@ MoE (8 experts, top 2, grouped-query attention) over EP 4 with the all-to-all di
 on both stages of PP 2) and with the allgather one, and over EP 8 (one expert per rank); and TP without sequence
 parallelism (Megatron's default: TP 2, TP 4, TP 2 x PP 2) on the GQA Llama-style and the GPT-style bases; and MoE
 experts as Transformer Engine's grouped GEMM (--moe-grouped-gemm) on the MoE layouts above and on a GPT-style MoE
-base with the allgather dispatcher (alone over EP 4, with TP 2 + SP over EP 2 and EP 4).
+base with the allgather dispatcher (alone over EP 4, with TP 2 + SP over EP 2 and EP 4); and Transformer Engine's
+unfused attention backend (GPT-style with an fp32 softmax: one process, PP 2, TP 2 with and without SP; GQA
+Llama-style: one process, TP 2 + SP).
 Three bases: Llama-style with multi-head and with grouped-query attention (no dropout), and GPT-style (LayerNorm,
 GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
 and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
@@ -93,6 +95,14 @@ GPT_MOE_GG_LAYOUTS = {
                                   "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "allgather"}),
 }
 
+# Transformer Engine's unfused attention backend (--attention-backend unfused, as several of Megatron-LM's own tests
+# run; TE's choice for fp32): its scores are a new tensor per call (the `scores` switch), on the GPT-style base with
+# the fp32 softmax those tests ask for, and on the GQA Llama-style base (k and v repeated per head).
+UNFUSED = {"--attention-backend": "unfused"}
+UNFUSED_BASES = {"gpt_unf": {**BASES["gpt"], **UNFUSED, "--attention-softmax-in-fp32": True},
+                 "llama_gqa_unf": {**BASES["llama_gqa"], **UNFUSED}}
+UNFUSED_LAYOUTS = {"gpt_unf": ("w1", "pp2", "tp2_sp"), "llama_gqa_unf": ("w1", "tp2_sp")}
+
 
 def configs() -> list:
     out = []
@@ -103,7 +113,9 @@ def configs() -> list:
     plan = [(b, f, {name: LAYOUTS[name] for name in few[b]} if b in few else LAYOUTS) for b, f in BASES.items()] + \
         [("llama_moe", BASES["llama_gqa"], MOE_LAYOUTS)] + \
         [(b, BASES[b], NO_SP_LAYOUTS) for b in ("llama_gqa", "gpt")] + \
-        [("llama_moe", BASES["llama_gqa"], MOE_GG_LAYOUTS), ("gpt_moe", GPT_MOE, GPT_MOE_GG_LAYOUTS)]
+        [("llama_moe", BASES["llama_gqa"], MOE_GG_LAYOUTS), ("gpt_moe", GPT_MOE, GPT_MOE_GG_LAYOUTS)] + \
+        [(b, f, {name: LAYOUTS[name] for name in UNFUSED_LAYOUTS[b]}) for b, f in UNFUSED_BASES.items()] + \
+        [("gpt_unf", UNFUSED_BASES["gpt_unf"], {"tp2": NO_SP_LAYOUTS["tp2"]})]
     # (each group appended after the ones before it, which keep their shapes)
     for base, base_flags, layouts in plan:
         for layout, (world, ranks, lflags) in layouts.items():
