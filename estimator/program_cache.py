@@ -37,6 +37,10 @@ class ProgramCache(ComposedCache):
             out += list(dp)
             measured = measured and ok
             cells.append(cell)
+        # sizes fitted where one of the label's shape variables never moved hold at that value only
+        pinned = self.programs.fixed.get(label)
+        if pinned and any(self.env[v] != x for v, x in pinned.items()):
+            measured = False
         values = (*out, measured)
         self._events[id(values)] = (values, cells, env)    # evaluated by events(), which only the reserved model asks
         return values

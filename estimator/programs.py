@@ -141,6 +141,9 @@ class ProgramSet:
     path: Optional[str] = None
     backends: List[str] = field(default_factory=list)    # what ran the traces: "cuda", "cpu-hook"
     traced: List[Dict[str, Any]] = field(default_factory=list)   # distinct structure-switch values of the runs
+    # per label, the shape variables of its family that had one value in every run of it: its sizes are pinned
+    # there only, so a config with another value is extrapolated, not measured (FORMATS 7)
+    fixed: Dict[str, Dict[str, float]] = field(default_factory=dict)
     _by_key: Dict[Tuple[str, str], List[ProgramCell]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -340,8 +343,14 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
     if not isinstance(backends, list) or not isinstance(traced, list) or \
             not all(isinstance(t, dict) for t in traced):
         raise ProgramError(f"{src}: 'backends' must be a list of names and 'traced' a list of switch dicts")
+    fixed = doc.get("fixed") or {}
+    if not isinstance(fixed, dict) or not all(
+            isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool)
+                                        for k, x in v.items()) for v in fixed.values()):
+        raise ProgramError(f"{src}: 'fixed' must map labels to {{variable: number}}")
     return ProgramSet(str(doc.get("name", "")), str(doc.get("kind", "fitted")), str(doc.get("description", "")),
-                      cells, list(doc.get("structure") or []), want, path, [str(b) for b in backends], traced)
+                      cells, list(doc.get("structure") or []), want, path, [str(b) for b in backends], traced,
+                      {str(k): dict(v) for k, v in fixed.items()})
 
 
 def _check_refs(events: List[ProgramEvent], where: str) -> None:

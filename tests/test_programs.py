@@ -324,3 +324,30 @@ def test_grouped_gemm_experts_are_a_structure_of_their_own():
     assert {e["when"]["grouped_gemm"]: e["children"] for e in entries} == {
         True: ["layers.*.mlp.experts.linear_fc1", "layers.*.mlp.experts.linear_fc2"],
         False: ["layers.*.mlp.experts.local_experts.*"]}
+
+
+def test_a_variable_no_run_moved_leaves_its_labels_extrapolated(tmp_path):
+    """A label whose runs all had one top-k (and one expert count and width) cannot say how its sizes depend on
+    them: the set records those values (`fixed`), and a config with another top-k reads that label as extrapolated,
+    not measured, while the runs' own top-k reads it measured. Committed grouped-GEMM runs of one expert variant."""
+    from estimator import formulas as F
+    from estimator.memory import estimate
+    from fit.dataset import traced_config
+    d = os.path.join(ROOT, "fit", "traces", "cpu_gpu_kernels")
+    runs = load_runs([os.path.join(d, n) for n in sorted(os.listdir(d)) if n.startswith("llama_moe_ep4_a2a_gg_")])
+    train = [r for r in runs if r.point["k"] == runs[0].point["k"] and r.point["E"] == runs[0].point["E"]]
+    train += [r for r in load_runs([os.path.join(d, n) for n in sorted(os.listdir(d))
+                                    if n.startswith(("llama_moe_ep4_ag_gg_", "llama_moe_tp2_sp_ep4_a2a_gg_"))])
+              if r.point["k"] == train[0].point["k"] and r.point["E"] == train[0].point["E"]]
+    assert len(train) >= 2 and len({(r.point["s"], r.point["b"], r.point["h"]) for r in train}) >= 2
+    doc, _ = documents(train, fit_runs(train), "one_variant", "")
+    label = "layers.*.mlp.experts.linear_fc1"
+    assert {v: doc["fixed"][label][v] for v in ("k", "E", "fe")} == \
+        {v: train[0].point[v] for v in ("k", "E", "fe")}
+    assert "s" not in doc["fixed"][label]      # the sequence length moved
+    path = tmp_path / "one_variant.json"
+    path.write_text(P.to_json(doc))
+    cfg, _, _ = traced_config(train[0].path)
+    assert label not in estimate(cfg, F.load(str(path))).coverage["extrapolated"]
+    cfg.moe_router_topk = 2 * train[0].point["k"]
+    assert label in estimate(cfg, F.load(str(path))).coverage["extrapolated"]

@@ -17,6 +17,7 @@ import time
 from estimator import programs as P
 
 from ..dataset import DatasetError, expand_dirs, parsed_run, point_of
+from ..basis import candidates, variables_of
 from .extract import Program, run_programs
 from .fit import Run, fit_label
 from .switches import fit_structure
@@ -101,6 +102,33 @@ def differs(runs: list, attr: str) -> set:
     return out
 
 
+# The MoE variables mean nothing where no run of a label had experts (E = 0 there).
+_MOE_VARIABLES = ("E", "k", "fe", "ep", "etp")
+
+
+def fixed_variables(runs: list, cells: list) -> dict:
+    """Per label, the variables of its candidate family (fit.basis; an MLP's also the MoE ones) that had one value
+    in every run of the label: no size of it can say how it depends on them (a grouped-GEMM campaign that kept
+    top-k at 2 fits `2*k`-sized tensors as constants times the rest), so the estimator reports a config with
+    another value as extrapolated."""
+    point = {r.path: r.point for r in runs}
+    paths: dict = {}
+    for c in cells:
+        paths.setdefault(c.label, set()).update(c.runs)
+    out = {}
+    for label in sorted(paths):
+        pts = [point[p] for p in sorted(paths[label]) if p in point]
+        family = set().union(*[variables_of(m) for m in candidates(label.split("@")[0])])
+        if ".mlp" in label:   # an MoE layer's ops size by routed tokens (TEGroupedMLP's linears too)
+            family |= set(_MOE_VARIABLES)
+        if not any(pt.get("E") for pt in pts):
+            family -= set(_MOE_VARIABLES)
+        one = {v: pts[0][v] for v in sorted(family) if v in pts[0] and len({pt.get(v) for pt in pts}) == 1}
+        if one:
+            out[label] = {v: int(x) if float(x).is_integer() else float(x) for v, x in one.items()}
+    return out
+
+
 def documents(runs: list, cells: list, name: str, description: str) -> tuple:
     """(set document, provenance document)."""
     failed = [(c, i, why) for c in cells for i, why in c.failed]
@@ -122,6 +150,7 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
         # op structure among the runs (a pair of values never traced together is not composed from measured parts).
         "backends": sorted({r.backend for r in runs}),
         "traced": traced_structures(runs),
+        "fixed": fixed_variables(runs, cells),
     }
     doc["checksum"] = P.content_checksum(doc)
     notes = sorted({n for c in cells for n in c.notes})
