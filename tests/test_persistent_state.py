@@ -59,3 +59,28 @@ def test_persistent_bytes_cover_what_the_run_kept(name):
     slack = L * (16 * E + 40 + 4 * tokens) if E else 0
     assert measured > 0
     assert measured <= predicted <= measured + slack, (name, measured, predicted)
+
+
+def test_context_parallel_kv_chunks_join_fitted_sets_only():
+    """TE's context-parallel attention keeps the key and value chunks it received from the other CP ranks: a layer
+    transform adds them to every layer under a fitted set (no traced run had CP) and not under the modelled set,
+    whose core-attention formulas count them already; they grow with CP - 1 and need CP and the TE spec."""
+    from estimator import activations, transforms   # noqa: F401  (activations registers the transforms)
+    from estimator import formulas as F
+    from estimator.args import parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--vocab-size", "256", "--bf16", "--group-query-attention", "--num-query-groups", "2"]
+
+    def kv(extra, modelled=False):
+        cfg = parse_args(base + extra)
+        rows = [r for r in transforms.layer_rows(cfg, F.variables(cfg), False, modelled)
+                if r[0] == "layers.*.self_attention.core_attention_cp_kv"]
+        return rows[0][1] if rows else 0.0
+
+    two = kv(["--context-parallel-size", "2", "--nproc_per_node", "2"])
+    four = kv(["--context-parallel-size", "4", "--nproc_per_node", "4"])
+    assert two > 0 and four == 3 * two / 2      # (cp - 1) chunks of s/cp tokens each: 1 x s/2 against 3 x s/4
+    assert kv(["--context-parallel-size", "2", "--nproc_per_node", "2"], modelled=True) == 0.0
+    assert kv([]) == 0.0
