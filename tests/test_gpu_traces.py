@@ -111,7 +111,8 @@ def test_gpu_set_is_fitted_from_the_committed_h100_traces_and_says_so():
     gpu = R.to_json(build_report(argv + ["--formulas", "gpu_h100"]))["formula_set"]["coverage"]
     cpu = R.to_json(build_report(argv + ["--formulas", "cpu_compose"]))["formula_set"]["coverage"]
     assert gpu["standins"] == [] and gpu["measured_share"] > 0.9
-    assert cpu["measured_share"] < gpu["measured_share"]
+    # the CPU set measured these kernels too (the GPU-kernel campaign), and names the stand-ins it measured them on
+    assert "flash / fused attention" in cpu["standins"] and cpu["measured_share"] > 0.9
 
 
 def test_a_cell_the_gpu_runs_never_had_is_extrapolated_and_named():
