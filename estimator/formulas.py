@@ -266,8 +266,9 @@ class FormulaSet:
                     for k, vals in cell.seen_of(i).items():
                         seen.setdefault(k, set()).update(vals)
             # A set fitted before the kernel switches existed saw only the CPU kernels.
+            # (fuse_bda and collectives are recorded since program sets: older sets never told them apart)
             for k, v in CPU_KERNELS.items():
-                if k not in ("fuse_bda", "collectives"):  # recorded since program sets: older sets never told them apart
+                if k not in ("fuse_bda", "collectives"):
                     seen.setdefault(k, {v})
             seen.setdefault("fuse_ce", {"none"})   # a set fitted before this switch existed
         return seen

@@ -125,7 +125,7 @@ class _Config:
     __slots__ = ("te", "grouped", "pb", "per_param", "dist_opt", "dp", "dp_expert", "bucket", "e", "t", "s", "b",
                  "h", "sp", "attn", "moe_gather")
 
-    def __init__(self, cfg, standin: bool = False):
+    def __init__(self, cfg, scores_in_buffer: bool = False):
         from .static_memory import ddp_bucket_size
         pd, _ = precision(cfg)
         self.e = DTYPE_BYTES[pd]
@@ -133,7 +133,7 @@ class _Config:
         self.s = _g(cfg, "seq_length", 0) // _g(cfg, "context_parallel_size", 1)
         self.b, self.h = _g(cfg, "micro_batch_size", 1), _g(cfg, "hidden_size", 0)
         self.sp = bool(_g(cfg, "sequence_parallel", False)) and t > 1
-        self.attn = attention_buffer_bytes(cfg, standin)
+        self.attn = attention_buffer_bytes(cfg, scores_in_buffer)
         # the allgather dispatcher gathers over expert-TP x EP ranks (its tp_ep group) when that is > 1
         etp = _g(cfg, "expert_tensor_parallel_size", None) or t
         g = etp * _g(cfg, "expert_model_parallel_size", 1)
@@ -152,25 +152,25 @@ class _Config:
         self.bucket = ddp_bucket_size(cfg)
 
 
-def _config(cfg, memo: Optional[dict], standin: bool = False) -> _Config:
+def _config(cfg, memo: Optional[dict], scores_in_buffer: bool = False) -> _Config:
     c = memo.get("gpu_runtime") if memo is not None else None
     if c is None:
-        c = _Config(cfg, standin)
+        c = _Config(cfg, scores_in_buffer)
         if memo is not None:
             memo["gpu_runtime"] = c
     return c
 
 
 def stage_items(cfg, stage_chunks, pp_rank: int, env: Optional[dict] = None, memo: Optional[dict] = None,
-                gpu: bool = True, standin: bool = False) -> list:
+                gpu: bool = True, scores_in_buffer: bool = False) -> list:
     """The stage's runtime buffers (Item), in the order the module docstring gives them. stage_chunks: the stage's
     memory.Chunk list (key = ("chunk", MoE flag per layer, has embedding, has output layer)). gpu=False: a CPU run
-    of the same code (what the CPU traces measure): only the buffers it allocates too. standin: the formula set's TE
-    unfused attention kept its scores in megatron's buffer (static_memory.attention_buffer_bytes)."""
+    of the same code (what the CPU traces measure): only the buffers it allocates too. scores_in_buffer: the formula
+    set's TE unfused attention kept its scores in megatron's buffer (static_memory.attention_buffer_bytes)."""
     kinds = [k for c in stage_chunks for k in c.key[1]]
     has_layers, has_moe = bool(kinds), any(kinds)
     has_output = any([c.key[3] for c in stage_chunks])
-    c = _config(cfg, memo, standin)
+    c = _config(cfg, memo, scores_in_buffer)
     if not gpu:
         return _global_buffer_items(c, has_layers, has_output, has_moe)
     conf = (environment() if env is None else env).get("CUBLAS_WORKSPACE_CONFIG")

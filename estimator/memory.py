@@ -146,8 +146,8 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     if chunks_by_stage is None:
         chunks_by_stage = all_param_chunks(cfg)
     vp_arg = vpp if vpp > 1 else None
-    standin = fset.te_scores_in_buffer
-    attn_buffer = attention_buffer_bytes(cfg, standin)
+    scores_in_buffer = fset.te_scores_in_buffer
+    attn_buffer = attention_buffer_bytes(cfg, scores_in_buffer)
     userbuffers = tp_overlap.buffer_bytes(cfg)  # every rank, from initialization on (under `other`)
     memo: dict = {}  # equal chunks and equal stages (same layer kinds, same place in the model) are evaluated once
     # Pipeline p2p tensors (one hidden state each) that megatron-core's schedule keeps alive across steps.
@@ -173,7 +173,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             per_op = _stage_per_op(chunk_ops) if want_ops else {}
             st = stage_static(cfg, stage_chunks, r, memo, device)
             runtime = gpu_runtime.stage_items(cfg, stage_chunks, r, runtime_env, memo, gpu=device != "cpu",
-                                              standin=standin)
+                                              scores_in_buffer=scores_in_buffer)
             gpu_bytes = sum([it.bytes for it in runtime])
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer,
             # the rotary cache and the MoE layers' routing state (estimator.persistent_state).

@@ -13,6 +13,8 @@ masked-softmax and RoPE extensions absent); there the flash stand-in runs torch'
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from estimator.formulas import kernels as kernel_switches, softmax_batch_per_block
@@ -443,38 +445,32 @@ class _GroupedGemm(torch.autograd.Function):
         weights, biases = params[:n], params[n:]
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty(rows.shape[0], weights[0].shape[0], dtype=x.dtype, device=x.device)
-        start = 0
-        for i, m in enumerate(m_splits):
-            if m:
-                torch.mm(rows[start:start + m], weights[i].t(), out=out[start:start + m])
+        blocks = [slice(a - m, a) for a, m in zip(itertools.accumulate(m_splits), m_splits)]   # each expert's rows
+        for w, bias, r in itertools.zip_longest(weights, biases, blocks):
+            if r.stop > r.start:
+                torch.mm(rows[r], w.t(), out=out[r])
                 if add_bias:
-                    out[start:start + m].add_(biases[i])
-            start += m
-        ctx.m_splits, ctx.n_bias, ctx.in_shape = m_splits, len(biases), x.shape
+                    out[r].add_(bias)
+        ctx.blocks, ctx.n_bias, ctx.in_shape = blocks, len(biases), x.shape
         ctx.save_for_backward(x, *weights)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
         x, *weights = ctx.saved_tensors
-        m_splits = ctx.m_splits
-        g = g.contiguous()
-        g2 = g.view(-1, g.shape[-1])
+        g2 = g.contiguous().view(-1, g.shape[-1])
         rows = x.reshape(-1, x.shape[-1])
         dgrad = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-        starts = [sum(m_splits[:i]) for i in range(len(m_splits))]
-        for i, (s0, m) in enumerate(zip(starts, m_splits)):
-            if m:
-                torch.mm(g2[s0:s0 + m], weights[i], out=dgrad[s0:s0 + m])
-            else:
-                dgrad[s0:s0].zero_()
+        for w, r in zip(weights, ctx.blocks):      # an expert without tokens has no rows to fill
+            if r.stop > r.start:
+                torch.mm(g2[r], w, out=dgrad[r])
         wgrads = [torch.empty(w.shape, dtype=x.dtype, device=x.device) for w in weights]
-        for i, (s0, m) in enumerate(zip(starts, m_splits)):
-            if m:
-                torch.mm(g2[s0:s0 + m].t(), rows[s0:s0 + m], out=wgrads[i])
+        for wg, r in zip(wgrads, ctx.blocks):
+            if r.stop > r.start:
+                torch.mm(g2[r].t(), rows[r], out=wg)
             else:
-                wgrads[i].zero_()
-        bgrads = [g2[s0:s0 + m].sum(dim=0) for s0, m in zip(starts, m_splits)] if ctx.n_bias else []
+                wg.zero_()
+        bgrads = [g2[r].sum(dim=0) for r in ctx.blocks] if ctx.n_bias else []
         del x, rows
         return (dgrad.view(ctx.in_shape), None, None, *wgrads, *bgrads)
 

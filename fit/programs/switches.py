@@ -11,7 +11,8 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
 ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization", "gqa",
          "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias", "tied", "fuse_act", "fuse_softmax",
-         "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore", "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
+         "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore", "a2a", "le1", "epx",
+         "pre_softmax", "grouped_gemm", "scores")
 
 # The switches that can change a label's allocations, where fewer than all (the longest matching label prefix
 # applies; a label without one may depend on any switch): a split on any other switch can only be a coincidence of
