@@ -49,12 +49,30 @@ def allocator_check(run_dir: str) -> dict:
             "model_allocated": st["peak_allocated_bytes"], "model_reserved": st["peak_reserved_bytes"]}
 
 
-def estimate(argv: list[str], formulas: str, adjust: tuple) -> dict:
+def estimate(argv: list[str], formulas: str, adjust: tuple, kernels: dict | None = None) -> dict:
     """What fit.gpu_validate runs on the GPU machine: get-training-info --nproc_per_node 1 FLAGS OPTIONS
-    --formulas SET --json, less the runtime items the install cannot have (fit.gpu_validate.install_adjustments)."""
+    --formulas SET --json, less the runtime items the install cannot have (fit.gpu_validate.install_adjustments);
+    `kernels`: the kernel families the run recorded (a run of an earlier stand-in is predicted as what it ran)."""
     pick = [] if formulas == "default" else ["--formulas", formulas]    # default: the estimator's own choice
-    doc = json.loads(json_text(cli.build_report(["--nproc_per_node", "1", *argv, *adjust[0], *pick])))
+    doc = json.loads(json_text(cli.build_report(["--nproc_per_node", "1", *argv, *adjust[0], *pick],
+                                                kernels=kernels)))
     return predicted(doc, drop=adjust[1])
+
+
+def recorded_kernels(run_dir: str) -> dict | None:
+    """The kernel families the run recorded (measured.json `kernels`, completed as fit.dataset completes a trace
+    header's: a GPU run of the local spec ran CUDA's norms)."""
+    from fit.dataset import header_kernels
+    with open(os.path.join(run_dir, "measured.json"), encoding="utf-8") as fh:
+        meas = json.load(fh)
+    if not isinstance(meas.get("kernels"), dict):
+        return None
+    return header_kernels({"kernels": meas["kernels"], "backend": "cuda"})
+
+
+def measured_on_standins(name: str) -> bool:
+    from estimator import formulas as F
+    return F.load(F.DEFAULT_SET if name == "default" else name).measured_on_standins
 
 
 def _pct(pred, meas) -> str:
@@ -83,8 +101,10 @@ def main(argv=None) -> int:
         row = {"config": name, **allocator_check(os.path.join(args.dir, name))}
         exact += (row["model_allocated"], row["model_reserved"]) == (row["meas_allocated"], row["meas_reserved"])
         cells = []
+        kernels = recorded_kernels(os.path.join(args.dir, name))
         for s in args.formulas:
-            p = estimate(flags[name], s, adjust)
+            # a set measured on the stand-ins predicts what the run ran; the modelled one describes TE itself
+            p = estimate(flags[name], s, adjust, kernels if measured_on_standins(s) else None)
             row[s] = p
             errs[s].append(p["allocated"] / row["meas_allocated"] - 1)
             cells.append(f"{_pct(p['allocated'], row['meas_allocated']):>8s} "

@@ -13,6 +13,8 @@ representative program:
     compared by the segment it names: the CPU's other segments may hold extra scalars that renumber them);
   * equal up to CPU casts: equal once megatron DDP's fp32 copies of 16-bit gradients are taken out (CPU's
     mixed-dtype add makes one, a GPU kernel none; docs/STANDINS.md);
+  * equal up to row vectors: equal once a stand-in's vectors of one value per row (e bytes per token, freed in the
+    op: the norms' per-row statistics and sums, which a GPU kernel keeps in registers) are taken out;
   * differs: anything else (the first differing event is shown);
   * not traced on GPU: the GPU set's runs lacked one of the run's switch values for that op (the H100 campaign had
     one rank: no TP, SP, MoE or pipeline stages), or the GPU set has no such op.
@@ -31,7 +33,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 DEFAULT_DIR = os.path.join(ROOT, "fit", "traces", "cpu_gpu_kernels")
-VERDICTS = ("equal", "equal up to CPU casts", "differs", "not traced on GPU")
+VERDICTS = ("equal", "equal up to CPU casts", "equal up to row vectors", "differs", "not traced on GPU")
 
 
 def default_runs() -> list[str]:
@@ -68,6 +70,33 @@ def without_grad_casts(events: list) -> list:
     return out
 
 
+def without_row_vectors(events: list, row_bytes: int, keep: int = 0) -> list:
+    """A program less its allocations of `row_bytes` that it frees itself (and those frees), but for the first
+    `keep` of them (the GPU program's own of that size: a weight's gradient may have it too). Local references
+    renumbered."""
+    dropped, n, seen = set(), 0, 0
+    for op, size, ref in events:
+        if op == "+":
+            if size == row_bytes and ("-", size, f"#{n}") in events:
+                seen += 1
+                if seen > keep:
+                    dropped.add(n)
+            n += 1
+    out, n = [], 0
+    for op, size, ref in events:
+        if op == "+":
+            n += 1
+            if n - 1 in dropped:
+                continue
+        if ref.startswith("#"):
+            k = int(ref[1:])
+            if k in dropped:
+                continue
+            ref = f"#{k - sum(d < k for d in dropped)}"
+        out.append((op, size, ref))
+    return out
+
+
 def compare_run(run, gpu) -> dict:
     """(phase, label) -> (verdict, first differing (cpu, gpu) event or None) for one loaded run."""
     out = {}
@@ -82,10 +111,21 @@ def compare_run(run, gpu) -> dict:
             out[(phase, label)] = ("equal", None)
         elif without_grad_casts(mine) in theirs:
             out[(phase, label)] = ("equal up to CPU casts", None)
+        elif any(without_grad_casts(without_row_vectors(mine, _row_bytes(run.point), _allocs(t, _row_bytes(run.point))))
+                 == t for t in theirs):
+            out[(phase, label)] = ("equal up to row vectors", None)
         else:
             first = next((a, b) for a, b in zip_longest(mine, theirs[0]) if a != b)
             out[(phase, label)] = ("differs", first)
     return out
+
+
+def _allocs(events: list, size: int) -> int:
+    return sum(op == "+" and n == size for op, n, _ in events)
+
+
+def _row_bytes(point) -> int:
+    return int(round(point["e"] * point["s"] * point["b"] / point["st"]))
 
 
 def main(argv=None) -> int:

@@ -464,6 +464,7 @@ STANDIN_FAMILIES = (
     (("fuse_bda", True), "fused bias-dropout-add"),
     (("grouped_gemm", True), "grouped GEMM experts"),
     (("scores", "call"), "unfused attention"),
+    (("torch_norm", "cuda"), "torch's CUDA norms"),
 )
 
 

@@ -112,6 +112,10 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # DotProductAttention: one persistent tensor) or a new tensor per call (Transformer Engine's unfused backend: a
     # forward transient). Runs traced before TE's per-call stand-in kept them in the buffer under the TE spec too.
     "scores": ("buffer", "call"),
+    # torch's LayerNorm / RMSNorm (the local spec's norms) as CUDA runs them, fp32 statistics and a fused RMSNorm
+    # that keeps its input and one value per row, or as the CPU runs them (16-bit statistics; RMSNorm decomposed
+    # into elementwise ops that keep more). The TE spec runs none ('cpu', as traces before the switch record).
+    "torch_norm": ("cpu", "cuda"),
 }
 # The switches that change which ops a layer has (the op structure the fit records): a combination of their values
 # that no run had is a different layer, not a composition of measured parts.
@@ -712,7 +716,7 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
 # spec, no fused kernel, eager CPU dropout. Traces without a `kernels` record in their header ran this.
 CPU_KERNELS = {"spec": "local", "attention": "unfused", "fuse_act": False, "fuse_softmax": False,
                "fuse_rope": False, "dropout_mask": "dtype", "fuse_bda": False, "collectives": "gloo",
-               "grouped_gemm": False, "scores": "buffer"}
+               "grouped_gemm": False, "scores": "buffer", "torch_norm": "cpu"}
 
 
 def collectives(process_group: str) -> str:
@@ -764,6 +768,7 @@ def kernels(cfg: Any) -> Dict[str, Any]:
         "grouped_gemm": bool(_get(cfg, "moe_grouped_gemm", False) and _get(cfg, "num_experts", None)
                              and spec == "te"),
         "scores": "call" if spec == "te" and attention == "unfused" else "buffer",
+        "torch_norm": "cuda" if spec == "local" else "cpu",
     }
 
 
@@ -833,7 +838,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "tied": not _get(cfg, "untie_embeddings_and_output_weights", False)
         and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask",
-                                     "fuse_bda", "collectives", "grouped_gemm", "scores")},
+                                     "fuse_bda", "collectives", "grouped_gemm", "scores",
+                                     "torch_norm")},
         "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
                     if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
         "mb1": v["b"] == 1,

@@ -216,6 +216,9 @@ def header_kernels(hdr: dict) -> dict:
         # recorded since the fake process group: the header's process group says it
         pg = hdr.get("process_group") or ("nccl" if hdr.get("backend") == "cuda" else "gloo")
         out["collectives"] = collectives(pg)
+    if "torch_norm" not in (kern or {}):
+        # recorded since its CPU stand-in: a GPU run of the local spec ran CUDA's norms
+        out["torch_norm"] = "cuda" if hdr.get("backend") == "cuda" and out["spec"] == "local" else "cpu"
     return out
 
 

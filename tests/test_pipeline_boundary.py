@@ -53,8 +53,10 @@ def run(request, tmp_path_factory):
 def test_stage_peaks_composed_from_one_stage_runs(run):
     from estimator import cli
     from estimator import report as R
+    from estimator.formulas import CPU_KERNELS
     argv, out = run
-    ranks = R.to_json(cli.build_report(["--nproc_per_node", "2"] + argv, formulas="cpu_compose", device="cpu"))
+    ranks = R.to_json(cli.build_report(["--nproc_per_node", "2"] + argv, formulas="cpu_compose", device="cpu",
+                                       kernels=CPU_KERNELS))       # what the harness runs on CPU
     for r in ranks["ranks"]:
         with open(os.path.join(out, f"rank{r['rank']}.json"), encoding="utf-8") as fh:
             measured = json.load(fh)["allocator_peak_bytes"]
@@ -120,7 +122,9 @@ def test_moe_full_recompute_keeps_each_group_input_until_its_next_forward(moe_fu
     from estimator.args import parse_args
     from estimator.memory import estimate
     from tracer.parse import parse_run
+    from estimator.formulas import CPU_KERNELS
     cfg = parse_args(["--nproc_per_node", "2"] + MOE_FULL + ["--moe-imbalance", "1"])   # balanced routing
+    cfg.kernels = dict(CPU_KERNELS)      # what the harness runs on CPU
     est = estimate(cfg, "cpu_compose", timeline=True, device="cpu")
     for rank, r in zip(parse_run(moe_full), est.ranks):
         predicted = [e.peak for e in r.timeline.events if e.phase == "B"]

@@ -351,3 +351,29 @@ def test_a_variable_no_run_moved_leaves_its_labels_extrapolated(tmp_path):
     assert label not in estimate(cfg, F.load(str(path))).coverage["extrapolated"]
     cfg.moe_router_topk = 2 * train[0].point["k"]
     assert label in estimate(cfg, F.load(str(path))).coverage["extrapolated"]
+
+
+def test_runs_are_split_first_by_the_kernel_switch_their_campaigns_differ_in():
+    """The greedy cell tree pools runs of both kinds of norm kernels and picks whichever switch leaves fewest runs
+    outside their part's structure (here `dtype`); with the switch named to split first, its values' runs are
+    fitted apart wherever they hold different structures (SPLIT_FIRST; the shipped set's norm and decoder labels)."""
+    from types import SimpleNamespace as NS
+
+    from fit.programs.fit import cell_tree
+    from fit.programs.switches import split_first
+
+    def item(norm, dtype, shape):
+        return NS(switches={"torch_norm": norm, "dtype": dtype}), NS(shape=shape)
+
+    items = [item("cpu", "bf16", "frees its input")] * 2 + [item("cpu", "fp32", "keeps it")] * 2 + \
+        [item("cuda", "bf16", "keeps it")]
+    keys = ["torch_norm", "dtype"]
+    assert [path[0][0] for path, _ in cell_tree(items, keys)] == ["dtype"] * 3
+    split = cell_tree(items, keys, first=("torch_norm",))
+    assert sorted(path for path, _ in split) == [
+        (("torch_norm", "cpu"), ("dtype", "bf16")), (("torch_norm", "cpu"), ("dtype", "fp32")),
+        (("torch_norm", "cuda"),)]
+    assert split_first("decoder@layers.*") == ("torch_norm",) and split_first("layers.*.mlp") == ()
+    shipped = json.load(open(SHIPPED, encoding="utf-8"))
+    cells = [c for c in shipped["programs"] if c["label"] == "decoder@layers.*" and c["when"] != [{}]]
+    assert cells and all("torch_norm" in w for c in cells for w in c["when"])

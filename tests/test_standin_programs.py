@@ -6,7 +6,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.standin_programs import VERDICTS, compare_run, without_grad_casts  # noqa: E402
+from benchmarks.standin_programs import VERDICTS, compare_run, without_grad_casts, without_row_vectors  # noqa: E402
 
 
 def test_the_fused_bias_dropout_add_is_the_h100_program_in_a_committed_run():
@@ -28,6 +28,16 @@ def test_grad_casts_are_taken_out_and_references_renumbered():
     assert without_grad_casts(cpu) == [("+", 100, ""), ("+", 50, ""), ("-", 50, "#1"), ("-", 100, "#0")]
     # a transient twice the size of nothing this segment made stays
     assert without_grad_casts([("+", 64, ""), ("-", 64, "#0")]) == [("+", 64, ""), ("-", 64, "#0")]
+
+
+def test_row_vectors_are_taken_out_past_the_gpu_programs_own():
+    # the input's gradient, a weight's 64-byte gradient, then two 64-byte row vectors freed in the op
+    cpu = [("+", 4096, ""), ("+", 64, ""), ("+", 64, ""), ("+", 64, ""), ("-", 64, "#2"), ("-", 64, "#3"),
+           ("-", 4096, "#0"), ("-", 64, "#1")]
+    assert without_row_vectors(cpu, 64, keep=1) == [("+", 4096, ""), ("+", 64, ""), ("-", 4096, "#0"),
+                                                     ("-", 64, "#1")]
+    # one the op does not free stays
+    assert without_row_vectors([("+", 64, "")], 64) == [("+", 64, "")]
 
 
 def test_cli_prints_the_table_and_refuses_a_missing_run(tmp_path):

@@ -87,6 +87,43 @@ def test_te_norm_values_gradients_and_saved_tensors(rms):
                     ((18,), torch.float32)]
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_cuda_norm_values_gradients_saved_tensors_and_allocations(rms):
+    """torch's norms as CUDA runs them (the local spec on a GPU): torch's values and gradients (fp64); the input,
+    the weight and fp32 statistics saved; in bf16, beyond its output (forward) and its gradients (backward), only
+    vectors of one value per row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(1)
+    x, w, bias = torch.randn(6, 3, 16, dtype=torch.float64), torch.rand(16, dtype=torch.float64) + 0.5, \
+        None if rms else torch.randn(16, dtype=torch.float64)
+    g = torch.randn(6, 3, 16, dtype=torch.float64)
+    ins = (x, w) if rms else (x, w, bias)
+    fn = (lambda x, w: standins._CudaNorm.apply(x, w, None, 1e-5, True)) if rms else \
+        (lambda x, w, b: standins._CudaNorm.apply(x, w, b, 1e-5, False))
+    ref = (lambda x, w: standins._TORCH_RMS_NORM(x, (16,), w, 1e-5)) if rms else \
+        (lambda x, w, b: standins._TORCH_LAYER_NORM(x, (16,), w, b, 1e-5))
+    ys, gs = grads(fn, ins, g)
+    yr, gr = grads(ref, ins, g)
+    torch.testing.assert_close(ys, yr, rtol=1e-6, atol=1e-6)    # (the statistics are fp32, as CUDA keeps them)
+    for a, r in zip(gs, gr):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+    rows, h = 512, 256
+    xb = torch.randn(rows // 4, 4, h, dtype=torch.bfloat16, requires_grad=True)
+    wb = (torch.rand(h) + 0.5).to(torch.bfloat16).requires_grad_(True)
+    bb = None if rms else torch.zeros(h, dtype=torch.bfloat16, requires_grad=True)
+    y, kept = saved(lambda: standins._CudaNorm.apply(xb, wb, bb, 1e-5, rms))
+    stats = [((rows,), torch.float32)] * (1 if rms else 2)
+    assert kept == [((rows // 4, 4, h), torch.bfloat16), ((h,), torch.bfloat16)] + stats
+    allowed = {rows * h * 2, h * 2, rows * 2, rows * 4}    # rows x h, weight-sized, per-row vectors, statistics
+    y.backward(torch.ones_like(y))                          # (its scalars are made once, on the first call)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        standins._CudaNorm.apply(xb, wb, bb, 1e-5, rms).backward(torch.ones_like(y))
+    sizes = {e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and e.name.startswith("aten::empty")}
+    assert rows * h * 2 in sizes
+    assert sizes and sizes <= allowed, sizes - allowed
+
+
 def test_fused_rope_matches_megatron_unfused_and_keeps_only_the_frequencies():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
@@ -159,7 +196,7 @@ def test_kernels_follow_megatron_lm_flags():
     k = kernels(parse_args(base + ["--bf16"]))
     assert k == {"spec": "te", "attention": "flash", "fuse_act": True, "fuse_softmax": False, "fuse_rope": False,
                  "dropout_mask": "byte", "fuse_bda": True, "collectives": "direct", "grouped_gemm": False,
-                 "scores": "buffer"}
+                 "scores": "buffer", "torch_norm": "cpu"}
     # --moe-grouped-gemm: TE's grouped GEMM for MoE experts under the TE spec; megatron's local spec would build
     # its legacy GroupedMLP instead (not told apart), and a dense model has no experts
     moe = base + ["--bf16", "--num-experts", "4", "--moe-grouped-gemm"]
@@ -175,6 +212,7 @@ def test_kernels_follow_megatron_lm_flags():
     # no bias: no fused bias-gelu (Megatron-LM turns it off); unfused 16-bit attention: the fused softmax
     assert (k["spec"], k["attention"], k["fuse_act"], k["fuse_softmax"], k["fuse_rope"]) == \
         ("local", "unfused", False, True, True)
+    assert k["torch_norm"] == "cuda"     # the local spec's norms are torch's, run by CUDA's kernels
     k = kernels(parse_args(base + ["--transformer-impl", "local", "--no-masked-softmax-fusion", "--bf16"]))
     assert k["fuse_softmax"] is False
 
@@ -278,6 +316,48 @@ def test_fused_bias_dropout_add_program_is_the_h100_one(tmp_path, dropout, bias)
             assert got == want, (phase, label)
             compared += bool(want)
     assert compared >= 2
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_torch_norm_programs_are_the_h100_ones(tmp_path, model):
+    """A bf16 local-spec run on the stand-ins: its norms (torch's RMSNorm and LayerNorm as CUDA runs them) allocate
+    and free event for event what the H100 traces' programs (fit/sets/gpu_h100.json, evaluated at this run's
+    shapes) do, forward and backward, but for the stand-in's vectors of one value per row (freed in the op)."""
+    from benchmarks.standin_programs import without_grad_casts
+    from estimator import formulas as F
+    from fit.programs.build import load_runs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    s, b = 128, 2
+    llama = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"]
+    cmd = [sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--gpu-kernels", "--out",
+           str(tmp_path), "--iterations", "2", "--", "--num-layers", "2", "--hidden-size", "128",
+           "--num-attention-heads", "4", "--seq-length", str(s), "--max-position-embeddings", str(s),
+           "--micro-batch-size", str(b), "--global-batch-size", str(b), "--vocab-size", "512", "--bf16",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local"] + \
+        (llama if model == "llama" else [])
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run,) = load_runs([str(tmp_path)])
+    assert run.switches["torch_norm"] == "cuda" and run.switches["spec"] == "local"
+    gpu = F.load("gpu_h100").programs
+    row_vector = 2 * s * b
+
+    def kept(events):
+        dropped = {f"#{i}" for i, (op, size, ref) in enumerate(e for e in events if e[0] == "+")
+                   if size == row_vector}
+        return [e for e in events if not (e[0] == "+" and e[1] == row_vector) and e[2] not in dropped]
+
+    for label in ("layers.*.input_layernorm", "layers.*.pre_mlp_layernorm", "final_layernorm"):
+        for phase in ("fwd", "bwd"):
+            cells, _ = gpu.select(phase, label, run.switches)
+            assert len(cells) == 1, (phase, label)
+            want = [(op, int(round(x)), ref) for op, x, ref in cells[0].evaluated(run.point)]
+            events = without_grad_casts([(e.op, e.size, e.ref) for e in run.programs[(phase, label)].events()])
+            assert any(size == row_vector for _, size, _ in events)
+            assert kept(events) == want, (phase, label)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -239,6 +239,121 @@ def _install_rope():
     rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
 
 
+# ---------------------------------------------------------------------------------------------- torch's norms
+# torch's own functions, kept before _install_torch_norms replaces them (the TE norm stand-in's backward uses them)
+_TORCH_LAYER_NORM = torch.nn.functional.layer_norm
+_TORCH_RMS_NORM = torch.nn.functional.rms_norm
+
+
+class _CudaNorm(torch.autograd.Function):
+    """torch's layer_norm / rms_norm as their CUDA kernels allocate (the local spec's norms, WrappedTorchNorm, on a
+    GPU): forward the output in the input's dtype, then fp32 statistics, one per row (mean and rstd; rstd alone for
+    RMSNorm: CUDA's _fused_rms_norm), saving the input, the weight and the statistics; backward the input's
+    gradient, then the weight's and the bias's. On CPU torch decomposes rms_norm into elementwise ops that keep
+    more, and its layer_norm keeps 16-bit statistics. Each product is written into the output (or the input's
+    gradient) before it is reduced, so the only other tensors are vectors of one value per row (a statistic in the
+    input's dtype, the backward's row sums), which a GPU kernel keeps in registers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        h = x.shape[-1]
+        rows = x.reshape(-1, h)
+        n = rows.shape[0]
+        result = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = result.view(n, h)      # (the tensor returned is no view: autograd adds into a gradient that is none)
+        mean = None if rms else torch.empty(n, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+        low = _RowVector(x, n)
+        if not rms:
+            torch.sum(rows, -1, out=low.buffer(mean))
+            mean.copy_(low.buffer(mean)).mul_(_scalar(1.0 / h, mean))
+        _centre(rows, mean, low, out)
+        out.mul_(out)
+        torch.sum(out, -1, out=low.buffer(rstd))
+        rstd.copy_(low.buffer(rstd)).mul_(_scalar(1.0 / h, rstd)).add_(_scalar(eps, rstd)).rsqrt_()
+        _centre(rows, mean, low, out)
+        out.mul_(low.of(rstd)[:, None]).mul_(weight)
+        if bias is not None:
+            out.add_(bias)
+        del low
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return result
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, mean, rstd = ctx.saved_tensors
+        h = x.shape[-1]
+        rows, g = x.reshape(-1, h), g.reshape(-1, h)
+        n = rows.shape[0]
+        grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = grad.view(n, h)
+        dw = torch.empty_like(weight)
+        db = torch.empty_like(weight) if ctx.has_bias else None
+        low = _RowVector(x, n)
+        _centre(rows, mean, low, dx)
+        dx.mul_(low.of(rstd)[:, None]).mul_(g)                 # g * xhat
+        torch.sum(dx, 0, out=dw)
+        if db is not None:
+            torch.sum(g, 0, out=db)
+        dx.mul_(weight)
+        c_xhat = torch.empty(n, dtype=x.dtype, device=x.device)
+        torch.sum(dx, -1, out=c_xhat).mul_(_scalar(1.0 / h, c_xhat))         # mean(g * w * xhat) per row
+        c_mean = None if mean is None else torch.mv(g, weight).mul_(_scalar(1.0 / h, c_xhat))   # mean(g * w)
+        _centre(rows, mean, low, dx)
+        r = low.of(rstd)[:, None]
+        dx.mul_(r).mul_(c_xhat[:, None]).neg_().addcmul_(g, weight)
+        if c_mean is not None:
+            dx.sub_(c_mean[:, None])
+        dx.mul_(r)
+        return grad, dw, db, None, None
+
+
+class _RowVector:
+    """One value per row in the input's dtype, for arithmetic with the rows (an fp32 statistic times 16-bit rows
+    would make a converted copy of the rows); in fp32 the statistic itself."""
+
+    def __init__(self, x, n):
+        self._vec = None if x.dtype == torch.float32 else torch.empty(n, dtype=x.dtype, device=x.device)
+
+    def buffer(self, stat):
+        return stat if self._vec is None else self._vec
+
+    def of(self, stat):
+        return stat if self._vec is None else self._vec.copy_(stat)
+
+
+def _centre(rows, mean, low, out):
+    """out = rows - mean (RMSNorm: rows)."""
+    if mean is None:
+        out.copy_(rows)
+    else:
+        torch.sub(rows, low.of(mean)[:, None], out=out)
+
+
+def _cuda_norm_fits(x, shape, weight, bias) -> bool:
+    """How megatron's norms call torch: one normalized (last) dimension and an affine weight (and bias) of the
+    input's dtype. Anything else runs torch's own function."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return (x.is_floating_point() and len(shape) == 1 and shape[0] == x.shape[-1] and weight is not None
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype))
+
+
+def _install_torch_norms():
+    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        if _cuda_norm_fits(input, normalized_shape, weight, bias):
+            return _CudaNorm.apply(input, weight, bias, eps, False)
+        return _TORCH_LAYER_NORM(input, normalized_shape, weight, bias, eps)
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if _cuda_norm_fits(input, normalized_shape, weight, None):
+            return _CudaNorm.apply(input, weight, None, torch.finfo(input.dtype).eps if eps is None else eps, True)
+        return _TORCH_RMS_NORM(input, normalized_shape, weight, eps)
+
+    torch.nn.functional.layer_norm = layer_norm
+    torch.nn.functional.rms_norm = rms_norm
+
+
 # ------------------------------------------------------------------------------- Transformer Engine modules
 class _TENorm(torch.autograd.Function):
     """Transformer Engine's layernorm / rmsnorm forward: output in the input's dtype, statistics in fp32, one value
@@ -277,9 +392,9 @@ class _TENorm(torch.autograd.Function):
             xr = x.detach().reshape(-1, h).float().requires_grad_(True)
             w = weight.detach().float().requires_grad_(True)
             if ctx.rms:
-                y = torch.nn.functional.rms_norm(xr, (h,), w, ctx.eps)
+                y = _TORCH_RMS_NORM(xr, (h,), w, ctx.eps)
             else:
-                y = torch.nn.functional.layer_norm(xr, (h,), w, None, ctx.eps)
+                y = _TORCH_LAYER_NORM(xr, (h,), w, None, ctx.eps)
             gx, gw = torch.autograd.grad(y, (xr, w), g.reshape(-1, h).float())
         gb = g.reshape(-1, h).float().sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
         return gx.to(x.dtype).view(x.shape), gw.to(weight.dtype), gb, None, None
@@ -598,6 +713,8 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     if k["fuse_bda"] and not on_gpu:          # on a GPU megatron's torch.compile'd function runs as it is
         _install_bias_dropout_add()
     tconfig.bias_dropout_fusion = k["fuse_bda"]
+    if k["torch_norm"] == "cuda" and not on_gpu:
+        _install_torch_norms()
     if k["fuse_rope"] and not (on_gpu and rope_kernel_present()):
         _install_rope()
     tconfig.apply_rope_fusion = k["fuse_rope"]

@@ -9,7 +9,8 @@ parallelism (Megatron's default: TP 2, TP 4, TP 2 x PP 2) on the GQA Llama-style
 experts as Transformer Engine's grouped GEMM (--moe-grouped-gemm) on the MoE layouts above and on a GPT-style MoE
 base with the allgather dispatcher (alone over EP 4, with TP 2 + SP over EP 2 and EP 4); and Transformer Engine's
 unfused attention backend (GPT-style with an fp32 softmax: one process, PP 2, TP 2 with and without SP; GQA
-Llama-style: one process, TP 2 + SP).
+Llama-style: one process, TP 2 + SP); and the local spec with the GPU's kernels (torch's norms as CUDA runs them) on
+the GQA Llama-style and GPT-style bases over one process, TP 2 with and without SP and PP 2, and with MoE.
 Three bases: Llama-style with multi-head and with grouped-query attention (no dropout), and GPT-style (LayerNorm,
 GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
 and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
@@ -103,6 +104,18 @@ UNFUSED_BASES = {"gpt_unf": {**BASES["gpt"], **UNFUSED, "--attention-softmax-in-
                  "llama_gqa_unf": {**BASES["llama_gqa"], **UNFUSED}}
 UNFUSED_LAYOUTS = {"gpt_unf": ("w1", "pp2", "tp2_sp"), "llama_gqa_unf": ("w1", "tp2_sp")}
 
+# The local spec (--transformer-impl local: megatron's own modules, torch's LayerNorm and RMSNorm) with the GPU's
+# kernels: the norms as CUDA runs them (the `torch_norm` switch), the fused masked softmax, bias-activation, RoPE and
+# bias-dropout-add; on the GQA Llama-style and GPT-style bases over one process, TP 2 with and without SP and PP 2,
+# and with MoE (Llama-style: all-to-all over EP 4; GPT-style, as Megatron-LM's local-spec MoE test: the allgather
+# dispatcher with TP 2 + SP over EP 2).
+LOCAL = {"--transformer-impl": "local"}
+LOCAL_LAYOUTS = {"w1": LAYOUTS["w1"], "tp2_sp": LAYOUTS["tp2_sp"], "pp2": LAYOUTS["pp2"], "tp2": NO_SP_LAYOUTS["tp2"]}
+LOCAL_MOE_LAYOUTS = {"llama_moe_local": {"ep4_a2a": MOE_LAYOUTS["ep4_a2a"]},
+                     "gpt_moe_local": {"tp2_sp_ep2_ag": (4, [0], {**MOE, "--tensor-model-parallel-size": 2,
+                                                                  "--sequence-parallel": True,
+                                                                  "--expert-model-parallel-size": 2})}}
+
 
 def configs() -> list:
     out = []
@@ -115,7 +128,10 @@ def configs() -> list:
         [(b, BASES[b], NO_SP_LAYOUTS) for b in ("llama_gqa", "gpt")] + \
         [("llama_moe", BASES["llama_gqa"], MOE_GG_LAYOUTS), ("gpt_moe", GPT_MOE, GPT_MOE_GG_LAYOUTS)] + \
         [(b, f, {name: LAYOUTS[name] for name in UNFUSED_LAYOUTS[b]}) for b, f in UNFUSED_BASES.items()] + \
-        [("gpt_unf", UNFUSED_BASES["gpt_unf"], {"tp2": NO_SP_LAYOUTS["tp2"]})]
+        [("gpt_unf", UNFUSED_BASES["gpt_unf"], {"tp2": NO_SP_LAYOUTS["tp2"]})] + \
+        [(f"{b}_local", {**BASES[b], **LOCAL}, LOCAL_LAYOUTS) for b in ("llama_gqa", "gpt")] + \
+        [("llama_moe_local", {**BASES["llama_gqa"], **LOCAL}, LOCAL_MOE_LAYOUTS["llama_moe_local"]),
+         ("gpt_moe_local", {**GPT_MOE, **LOCAL}, LOCAL_MOE_LAYOUTS["gpt_moe_local"])]
     # (each group appended after the ones before it, which keep their shapes)
     for base, base_flags, layouts in plan:
         for layout, (world, ranks, lflags) in layouts.items():

@@ -20,7 +20,7 @@ from fractions import Fraction
 
 from .extract import FREE, WORKER_FREE, widest
 from .sizes import SizeSolver
-from .switches import ORDER, relevant
+from .switches import ORDER, relevant, split_first
 
 
 
@@ -58,17 +58,26 @@ def relevant_switches(label: str, runs: list) -> list:
     return [k for k in keys if len({r.switches.get(k) for r in runs}) > 1]
 
 
-def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = None) -> list:
+def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = None, first: tuple = ()) -> list:
     """Split runs by switches until each part has one event structure: [(path, items)], path the switch values
     that define the part. At each step the switch (in `keys` order on ties) that leaves the fewest runs outside
     their part's most common structure; a part no remaining switch splits, yet holding two structures, keeps its
-    most common one and names the other runs in `notes` (a structure that varies within one switch combination)."""
+    most common one and names the other runs in `notes` (a structure that varies within one switch combination).
+    `first`: switches split on before that choice wherever their parts hold different structures (SPLIT_FIRST)."""
     shapes = Counter(p.shape for _, p in items)
     if len(shapes) == 1:
         return [(path, items)]
     used = {k for k, _ in path}
     best = None
     for k in keys:
+        if k in first and k not in used:
+            parts = {}
+            for r, p in items:
+                parts.setdefault(r.switches.get(k), []).append((r, p))
+            if len({frozenset(p.shape for _, p in part) for part in parts.values()}) > 1:
+                best = (0, k, parts)
+                break
+    for k in keys if best is None else ():
         if k in used:
             continue
         parts: dict = {}
@@ -89,7 +98,7 @@ def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = No
         return [(path, items)]
     out = []
     for v, part in sorted(best[2].items(), key=lambda kv: repr(kv[0])):
-        out += cell_tree(part, keys, path + ((best[1], v),), notes)
+        out += cell_tree(part, keys, path + ((best[1], v),), notes, first)
     return out
 
 
@@ -98,7 +107,7 @@ def fit_label(phase: str, label: str, items: list) -> list:
     runs = [r for r, _ in items]
     keys = relevant_switches(label, runs)
     notes: list = []
-    leaves = cell_tree(items, keys, (), notes)
+    leaves = cell_tree(items, keys, (), notes, split_first(label))
     groups: dict = {}
     for path, members in leaves:
         for r, p in members:

@@ -9,10 +9,22 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 
 # Switches most likely to change what an op allocates come first, so ties between equally good splits prefer them;
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
-ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization", "gqa",
-         "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias", "tied", "fuse_act", "fuse_softmax",
-         "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore", "a2a", "le1", "epx",
-         "pre_softmax", "grouped_gemm", "scores")
+ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization",
+         "torch_norm", "gqa", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias", "tied",
+         "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore",
+         "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
+# Switches a label's runs are split on first wherever they change its event structure, before the greedy choice,
+# per label prefix. torch's norms as CUDA runs them come from the GPU-kernel campaign's local-spec runs only; pooled
+# with the CPU runs, the norms' own labels and the decoder's code between layers (which frees what a norm did not
+# keep) let either kind answer the other's untraced combinations: a bf16 CPU RMSNorm, which does not keep its
+# input, answered fp32 ones. Split first, each kind's subtree is fitted from its own runs. (Elsewhere the pooled
+# tree is better: the campaign's 30 local-spec runs do not cover what the CPU runs do.)
+SPLIT_FIRST = {"torch_norm": ("decoder", "layers.*.input_layernorm", "layers.*.pre_mlp_layernorm", "final_layernorm")}
+
+
+def split_first(label: str) -> tuple:
+    """The switches `label`'s runs are split on first (SPLIT_FIRST)."""
+    return tuple(k for k, prefixes in SPLIT_FIRST.items() if label.startswith(prefixes))
 
 # The switches that can change a label's allocations, where fewer than all (the longest matching label prefix
 # applies; a label without one may depend on any switch): a split on any other switch can only be a coincidence of
@@ -24,8 +36,8 @@ ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "pos
 # split by `tp` must not fit. Attention and the MLP see the layer's shape switches, their own kernels and, through
 # the layer spec (Transformer Engine fuses the norm into linear_qkv and linear_fc1), the norm type.
 _EMBEDDING = ("position", "dropout", "dropout_mask", "sp", "collectives", "mb1")
-_LAYER_PART = ("spec", "normalization", "dtype", "sp", "tp", "collectives", "mb1")
-_MOE_CODE = ("spec", "dtype", "sp", "tp", "collectives", "moe_comm", "a2a", "le1", "epx")
+_LAYER_PART = ("spec", "normalization", "torch_norm", "dtype", "sp", "tp", "collectives", "mb1")
+_MOE_CODE = ("spec", "dtype", "sp", "tp", "collectives", "moe_comm", "a2a", "le1", "epx", "torch_norm")
 RELEVANT = {
     "embedding": _EMBEDDING + ("tp",),
     # the lookup's backward makes the weight's dense gradient in the model's dtype (bf16: then an fp32 copy for the
@@ -34,12 +46,13 @@ RELEVANT = {
     "embedding.position_embeddings": _EMBEDDING + ("tp", "dtype"),    # its table's gradient likewise, never tied
     # the logits and their gradient (TP: vocabulary-parallel), the input's gather under SP, the weight's gradient
     # (bf16: its fp32 copy; tied: kept for the embedding's backward)
-    "output_layer": ("spec", "dtype", "tied", "sp", "tp", "collectives", "mb1", "fuse_ce"),
+    "output_layer": ("spec", "dtype", "tied", "sp", "tp", "collectives", "mb1", "fuse_ce", "torch_norm"),
     # the cross entropy over the logits (fp32 under bf16; vocabulary-parallel under TP), then the root's own code
     # after it, which frees the loss head's inputs: the final norm's output (RMSNorm in bf16 keeps its fp32 copy)
     # and the position ids or rotary table
-    "loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce"),
-    "step@loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "normalization", "position"),
+    "loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "torch_norm"),
+    "step@loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "normalization", "position",
+                  "torch_norm"),
     "embedding@": _EMBEDDING,
     "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "qcore", "dropout",
                                               "dropout_mask", "softmax_fp32", "bias", "fuse_softmax", "fuse_rope",
