@@ -141,10 +141,14 @@ def check_report(doc: dict) -> str | None:
         # check allows: 1 byte plus 1e-9 relative)
         if abs(sum(cats.values()) - where["peak_bytes"]) > len(cats) + 1e-9 * where["peak_bytes"]:
             return f"categories {cats} do not sum to the peak {where['peak_bytes']}"
+    # a fitted (program) set's `saved` rows are net: an op's own code frees what earlier ops handed it
+    # (estimator.invariants._signed), so they may be negative there
+    net_saved = doc.get("formula_set", {}).get("kind") == "fitted"
     for st in doc["stages"]:
         for op in st["ops"]:
             signed = op["op"] in SIGNED_OPS   # the estimator's own signed corrections (fp8's saved inputs)
-            if any(k.endswith("_bytes") and v < 0 and not signed for k, v in op.items()) or op["params"] < 0:
+            if any(k.endswith("_bytes") and v < 0 and not signed and not (net_saved and k == "saved_bytes")
+                   for k, v in op.items()) or op["params"] < 0:
                 return f"negative op row {op}"
     if max(r["peak_bytes"] for r in doc["stages"]) != peak:
         return "max_peak_bytes is not the largest stage peak"

@@ -67,7 +67,7 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
                           --moe-expert-capacity-factor C the bound is also C, with
                           --moe-pad-expert-input-to-capacity exactly C
   --formulas NAME|FILE    activation formula set: a shipped name ({sets})
-                          or a formula-set JSON file
+                          or a formula-set JSON file; default {default} (measured from traces)
   --json                  print the estimate as JSON (bytes) instead of the text report
   --search                with --gpu-memory: try every parallel layout Megatron accepts for this
                           model and world size (TP, PP, VPP, CP, EP, expert TP, micro batch,
@@ -355,6 +355,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return textwrap.fill(", ".join(items), 98, initial_indent=" " * first,
                                      subsequent_indent=" " * 26).lstrip()
             print(USAGE.format(presets=fill(presets(), 26) or "none", sets=", ".join(F.shipped_sets()),
+                               default=F.DEFAULT_SET,
                                gpus=fill(V.GPUS, 39),
                                ctx=V.DEFAULTS["cuda_context_gib"],
                                nccl=V.DEFAULTS["nccl_gib_per_communicator"],

@@ -83,6 +83,7 @@ class ComposedCache:
         self._transform_rows: dict = {}
         self.modelled_difference: set = set()   # untraced kernel switch values the modelled set's difference covers
         self.extrapolated: set = set()
+        self.modelled: set = set()     # the transforms' rows with bytes in this estimate (modelled, not measured)
         self.untraced = untraced_features(cfg, self.sw, fset)   # after mapping recompute to its plain layer
 
     def fallbacks(self) -> set:
@@ -94,7 +95,7 @@ class ComposedCache:
         if self.untraced:
             share = 0.0
         return {"measured_share": share, "extrapolated": sorted(self.extrapolated), "untraced": self.untraced,
-                "modelled_difference": sorted(self.modelled_difference),
+                "modelled_difference": sorted(self.modelled_difference), "modelled": sorted(self.modelled),
                 "standins": [] if self.fset.measured_on_gpu else standin_families(self.sw, self.untraced)}
 
     # ---- values
@@ -348,13 +349,7 @@ def untraced_features(cfg, sw: dict, fset) -> list:
         if k in seen_values and v not in seen_values[k]:
             out.append(f"{k}={v}")
     out += unseen_pairs(sw, _traced_switches(fset), {k for k in STRUCTURE_SWITCHES if k in seen_values})
-    g = (lambda n, d=None: cfg.get(n, d) if isinstance(cfg, dict) else getattr(cfg, n, d))
-    if g("qk_layernorm", False):
-        out.append("qk_layernorm")
-    if (g("context_parallel_size", 1) or 1) > 1:
-        out.append("context_parallel")
-    if g("moe_shared_expert_intermediate_size", None):
-        out.append("shared_experts")
+    # (qk-layernorm, context parallelism and shared experts are the layer transforms' rows, modelled: `modelled`)
     return out
 
 
@@ -535,6 +530,8 @@ def _account(cache: ComposedCache, items: list) -> None:
         label, (fd, _, _, _, measured), _, _ = it
         if label in transforms.LAYER_LABELS:
             cache.saved_modelled += max(fd, 0.0)
+            if fd > 0:
+                cache.modelled.add(label)
         elif measured:
             cache.saved_measured += max(fd, 0.0)
         else:

@@ -24,7 +24,10 @@ SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "formula_
 # Fitted sets are the fit stage's output; the estimator reads them as data (it imports nothing from fit/).
 FITTED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fit", "sets")
 SET_DIRS = (SHIPPED_DIR, FITTED_DIR)
-DEFAULT_SET = "modelled"
+# The default: programs measured from traces (Megatron's GPU kernels on CPU stand-ins across layouts, and the CPU
+# kernels), falling back to the hand-modelled set where no program answers (docs/ACCURACY.md).
+DEFAULT_SET = "cpu_compose"
+MODELLED_SET = "modelled"
 
 # Switch indicators (FORMATS 4.1): 1 where the config's switch has the value, else 0. A composed set carries a
 # switch's effect on a segment as terms times its indicator, so the effects of switches traced apart add up in a
@@ -619,7 +622,7 @@ def load(name_or_path: str = DEFAULT_SET) -> FormulaSet:
             raise FormulaError(f"{path}: cannot read: {exc}") from None
         fset = from_dict(doc, path)
         if fset.kind == "fitted":
-            fset.fallback = load(DEFAULT_SET)
+            fset.fallback = load(MODELLED_SET)
         _LOADED[key] = fset
     return _LOADED[key]
 

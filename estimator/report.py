@@ -296,6 +296,9 @@ def _coverage_lines(cov) -> list[str]:
                    f"formulas is used): {', '.join(cov['extrapolated'])}")
     if cov["untraced"]:
         out.append(f"  not in any traced run, composed without them: {', '.join(cov['untraced'])}")
+    if cov.get("modelled"):
+        out.append(f"  modelled, no traced run had them (estimator transforms, docs/ESTIMATE.md): "
+                   f"{', '.join(cov['modelled'])}")
     if cov.get("modelled_difference"):
         out.append(f"  for {', '.join(cov['modelled_difference'])}: the modelled set's difference to the traced value "
                    f"added")

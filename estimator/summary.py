@@ -141,15 +141,30 @@ def _largest(report) -> list[str]:
     return lines
 
 
+def measured_sources(report) -> list[str]:
+    """Where a fitted set's measurements come from, for this config: GPU traces, or CPU traces (with the GPU's
+    kernels on CPU stand-ins where the config runs any)."""
+    backends = report.formula_set.provenance.get("backends") or []
+    if backends == ["cuda"]:
+        return ["from GPU traces"]
+    where = "from CPU traces" if backends == ["cpu-hook"] else "from GPU and CPU traces"
+    standins = (report.estimate.coverage or {}).get("standins")
+    return [where] + (["the GPU's kernels on CPU stand-ins"] if standins else [])
+
+
 def _formulas(report) -> list[str]:
+    from estimator.formulas import DEFAULT_SET
     fset = report.formula_set
     share = measured_share(report)
+    name = fset.name + (" (default)" if fset.name == DEFAULT_SET else "")
     if fset.kind == "modelled":
-        how = "MODELLED from published analysis, 0% measured"
+        items = [f"{name}: MODELLED from published analysis, 0% measured"]
     else:
-        how = f"fitted from traces, {100 * share:.1f}% of saved activation bytes measured"
+        items = [f"{name}: {100 * share:.1f}% of saved activation bytes measured"] + measured_sources(report)
+        if share < 0.9995:
+            items.append(f"{100 * (1 - share):.1f}% modelled or extrapolated")
     n_fb = len({op for op, _ in report.estimate.fallbacks})
-    items = [f"{fset.name}: {how}"] + ([f"{n_fb} ops fall back to the modelled set"] if n_fb else [])
+    items += [f"{n_fb} ops fall back to the modelled set"] if n_fb else []
     return _wrap("Formulas  ", items)
 
 

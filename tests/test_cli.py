@@ -40,7 +40,10 @@ def test_example_script_runs_and_reports_every_section():
     for section in ("Verdict", "Peak per pipeline stage", "Model tree", "Per-GPU memory demand", "Per-rank table",
                     "Communication per iteration", "Detail (one row per collective", "Process groups", "Ignored"):
         assert section in out, section
-    assert "MODELLED" in out  # the shipped set is modelled and must say so
+    # the default set is measured, for every op of this config, and the summary says so and from what
+    formulas = out.split("Formulas  ")[1].split("\n\n")[0]
+    assert formulas.startswith("cpu_compose (default): 100.0% of saved activation bytes measured"), formulas
+    assert "the GPU's kernels on CPU stand-ins" in formulas
     # The world of the script: 2 nodes x 8 GPUs; names of the last node appear in the groups.
     assert "n1_g7" in out
     # Flags that do not affect memory are listed once, by name.
@@ -66,7 +69,7 @@ def test_json_has_every_rank_with_coordinates_and_bytes():
     for dim in ("tp", "pp", "dp", "cp"):
         members = sorted(r for g in doc["groups"][dim] for r in g)
         assert members == list(range(4)), dim
-    assert doc["formula_set"]["kind"] == "modelled"
+    assert (doc["formula_set"]["name"], doc["formula_set"]["kind"]) == ("cpu_compose", "fitted")   # the default
 
 
 @pytest.mark.parametrize("args, message", [

@@ -169,7 +169,8 @@ def test_json_lists_the_items_and_the_after_step_level(monkeypatch):
     assert b["allocated_peak_bytes"] == st["peak_bytes"] and b["cuda_context_bytes"] > 0 and b["nccl_bytes"] > 0
 
 
-def _core_rows(args, formulas=None, env=None, monkeypatch=None):
+def _core_rows(args, formulas="modelled", env=None, monkeypatch=None):
+    """The core-attention rows under a set (the modelled one: its fp32-softmax fallback row is the subject)."""
     if monkeypatch is not None:
         monkeypatch.delenv("NVTE_MASKED_SOFTMAX_FUSION", raising=False)
         for k, v in (env or {}).items():

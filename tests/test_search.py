@@ -126,8 +126,9 @@ def test_progress_bar_only_after_a_second():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "get_training_info.py", *BASE, *args], cwd=ROOT, capture_output=True,
-                          text=True)
+    """The CLI on the fixture's set (the modelled one: the search's own logic is the subject, and it is fast)."""
+    return subprocess.run([sys.executable, "get_training_info.py", *BASE, "--formulas", "modelled", *args],
+                          cwd=ROOT, capture_output=True, text=True)
 
 
 def test_cli_search_text_json_and_errors(result):

@@ -360,6 +360,67 @@ def test_torch_norm_programs_are_the_h100_ones(tmp_path, model):
             assert kept(events) == want, (phase, label)
 
 
+def test_fused_cross_entropy_values_gradients_and_saved_tensors(monkeypatch):
+    """megatron's native fused cross entropy as its compiled kernels run: torch's cross entropy and its gradient
+    (the gradient in bf16, as megatron's kernel casts it), also for targets outside this rank's vocabulary share;
+    it keeps the fp32 softmax, the 1-byte target mask and the int64 local targets."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None, group=None: None)   # one TP rank
+
+    class Rank1Of2:                   # the second half of the vocabulary: targets below it are masked
+        def rank(self):
+            return 1
+
+        def size(self):
+            return 2
+
+    torch.manual_seed(2)
+    s, b, v = 6, 3, 13
+    logits = torch.randn(s, b, v).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, 2 * v, (s, b))
+    g = torch.randn(b, s).t()          # strided, as the caller's transposed loss hands it back
+    (loss, kept) = saved(lambda: standins._FusedCrossEntropy.apply(logits, target, Rank1Of2()))
+    loss.backward(g)
+    ref_logits = logits.detach().float().requires_grad_(True)
+    local = target - v
+    inside = (local >= 0) & (local < v)
+    # one rank's share, as megatron's before the TP all-reduce: over logits shifted by their maximum, a target
+    # outside the share picks 0
+    shifted = ref_logits - ref_logits.max(-1, keepdim=True)[0].detach()
+    picked = shifted.gather(-1, local.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * inside
+    ref = torch.logsumexp(shifted, -1) - picked
+    ref.backward(g)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=2e-2, atol=2e-2)
+    assert kept == [((s, b, v), torch.float32), ((s, b), torch.bool), ((s * b,), torch.int64)]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("mb", [1, 2])
+def test_fused_cross_entropy_program_is_the_h100_one(tmp_path, mb):
+    """A bf16 run with --cross-entropy-loss-fusion on the stand-ins (one rank on the fake process group): the loss
+    segment and the output layer around it allocate and free event for event what the H100 traces' programs
+    (fit/sets/gpu_h100.json, evaluated at this run's shapes) do, forward and backward."""
+    from benchmarks.standin_programs import compare_run
+    from estimator import formulas as F
+    from fit.programs.build import load_runs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--gpu-kernels", "--fake-world", "1",
+           "--out", str(tmp_path), "--iterations", "2", "--", "--num-layers", "2", "--hidden-size", "128",
+           "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+           "--micro-batch-size", str(mb), "--global-batch-size", str(mb), "--vocab-size", "512", "--bf16",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--cross-entropy-loss-fusion"]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run,) = load_runs([str(tmp_path)])
+    assert run.switches["fuse_ce"] == "native"
+    verdicts = compare_run(run, F.load("gpu_h100").programs)
+    for label in ("loss", "output_layer"):
+        for phase in ("fwd", "bwd"):
+            assert verdicts[(phase, label)][0] == "equal", (phase, label, verdicts[(phase, label)])
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_grouped_gemm_values_gradients_and_saved_tensors(bias):
     """TE's GroupedLinear stand-in: each expert's rows times its own weight (an expert with no tokens included),

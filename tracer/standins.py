@@ -354,6 +354,84 @@ def _install_torch_norms():
     torch.nn.functional.rms_norm = rms_norm
 
 
+# ----------------------------------------------------------------------------------------- fused cross entropy
+class _FusedCrossEntropy(torch.autograd.Function):
+    """megatron's fused_vocab_parallel_cross_entropy (--cross-entropy-loss-fusion, impl native) as its
+    torch.compile'd (inductor) kernels run on a GPU, event for event as the H100 traces show them: forward an fp32
+    copy of the logits (kept: it becomes the softmax), their row maximum, the target mask (1 byte) and the masked
+    target (int64) (both kept), the predicted logits and the exp sums joined into one buffer (the TP all-reduce's),
+    a transient fp32 [s, b, v/t] buffer, then the loss; backward an fp32 gradient of the logits and its 16-bit copy
+    (bf16, as megatron's kernel casts). Values: the same cross entropy and gradient. The CPU eager code keeps
+    other tensors (an arange, index copies)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp_group):
+        v = logits.shape[-1]
+        start = v * tp_group.rank()
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        probs.copy_(logits)
+        rows = probs.view(-1, v)
+        n = rows.shape[0]
+        logits_max = torch.amax(probs, -1, out=torch.empty(target.shape, dtype=torch.float32, device=logits.device))
+        torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+        probs.sub_(logits_max.unsqueeze(-1))
+        mask = torch.empty(target.shape, dtype=torch.bool, device=logits.device)
+        local = torch.empty(n, dtype=torch.int64, device=logits.device)
+        # outside this rank's vocabulary: |2 (t - start) - (v - 1)| > v - 1, in place in `local`
+        torch.sub(target.reshape(-1), _scalar(start, local), out=local)
+        local.mul_(_scalar(2, local)).sub_(_scalar(v - 1, local)).abs_()
+        torch.gt(local.view(target.shape), _scalar(v - 1, local), out=mask)
+        torch.sub(target.reshape(-1), _scalar(start, local), out=local).masked_fill_(mask.view(-1), 0)
+        predicted = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
+        sum_exp = torch.empty(target.shape, dtype=torch.float32, device=logits.device)
+        both = torch.empty(2 * n, dtype=torch.float32, device=logits.device)
+        torch.gather(rows, 1, local.view(-1, 1), out=predicted.view(-1, 1))
+        predicted.masked_fill_(mask, 0.0)
+        probs.exp_()
+        torch.sum(probs, -1, out=sum_exp)
+        torch.cat((predicted.view(-1), sum_exp.view(-1)), out=both)
+        if target.shape[-1] == 1:       # inductor's kernel for one sequence per micro-batch frees them the other way
+            del predicted, sum_exp
+        else:
+            del sum_exp, predicted
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.SUM, group=tp_group)
+        predicted, sum_exp = both[:n].view(target.shape), both[n:].view(target.shape)
+        softmax = torch.empty_like(probs)           # inductor's transient, here the division's output
+        torch.div(probs, sum_exp.unsqueeze(-1), out=softmax)
+        probs.copy_(softmax)
+        del softmax
+        loss = torch.log(sum_exp, out=torch.empty(target.shape, dtype=torch.float32, device=logits.device))
+        loss.sub_(predicted)
+        ctx.save_for_backward(probs, mask, local)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, mask, local = ctx.saved_tensors
+        v = softmax.shape[-1]
+        n = local.shape[0]
+        grad = torch.empty(softmax.shape, dtype=torch.float32, device=softmax.device)
+        grad_input = torch.empty(softmax.shape, dtype=torch.bfloat16, device=softmax.device)
+        # the target's -1 per row (0 where masked), scaled by the row's gradient: staged in grad_input's memory
+        minus = grad_input.view(-1)[:2 * n].view(torch.float32)
+        minus.view(mask.shape).copy_(grad_output)      # (a strided gradient is read as it is, as a kernel does)
+        minus.masked_fill_(mask.view(-1), 0.0).neg_()
+        grad.copy_(softmax).mul_(grad_output.unsqueeze(-1))
+        grad.view(-1, v).scatter_add_(1, local.view(-1, 1), minus.view(-1, 1))
+        grad_input.copy_(grad)
+        del grad
+        return grad_input, None, None
+
+
+def _install_fused_cross_entropy():
+    from megatron.core.models.common.language_module import language_module
+
+    def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
+        return _FusedCrossEntropy.apply(vocab_parallel_logits, target, tp_group)
+
+    language_module.fused_vocab_parallel_cross_entropy = fused_vocab_parallel_cross_entropy
+
+
 # ------------------------------------------------------------------------------- Transformer Engine modules
 class _TENorm(torch.autograd.Function):
     """Transformer Engine's layernorm / rmsnorm forward: output in the input's dtype, statistics in fp32, one value
@@ -715,6 +793,9 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     tconfig.bias_dropout_fusion = k["fuse_bda"]
     if k["torch_norm"] == "cuda" and not on_gpu:
         _install_torch_norms()
+    if getattr(cfg, "cross_entropy_loss_fusion", False) and not on_gpu \
+            and (getattr(cfg, "cross_entropy_fusion_impl", None) or "native") == "native":
+        _install_fused_cross_entropy()
     if k["fuse_rope"] and not (on_gpu and rope_kernel_present()):
         _install_rope()
     tconfig.apply_rope_fusion = k["fuse_rope"]

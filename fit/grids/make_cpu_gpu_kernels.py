@@ -10,7 +10,8 @@ experts as Transformer Engine's grouped GEMM (--moe-grouped-gemm) on the MoE lay
 base with the allgather dispatcher (alone over EP 4, with TP 2 + SP over EP 2 and EP 4); and Transformer Engine's
 unfused attention backend (GPT-style with an fp32 softmax: one process, PP 2, TP 2 with and without SP; GQA
 Llama-style: one process, TP 2 + SP); and the local spec with the GPU's kernels (torch's norms as CUDA runs them) on
-the GQA Llama-style and GPT-style bases over one process, TP 2 with and without SP and PP 2, and with MoE.
+the GQA Llama-style and GPT-style bases over one process, TP 2 with and without SP and PP 2, and with MoE; and the
+fused cross entropy (--cross-entropy-loss-fusion) on the same two bases and layouts.
 Three bases: Llama-style with multi-head and with grouped-query attention (no dropout), and GPT-style (LayerNorm,
 GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
 and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
@@ -116,6 +117,12 @@ LOCAL_MOE_LAYOUTS = {"llama_moe_local": {"ep4_a2a": MOE_LAYOUTS["ep4_a2a"]},
                                                                   "--sequence-parallel": True,
                                                                   "--expert-model-parallel-size": 2})}}
 
+# --cross-entropy-loss-fusion (impl native, what Megatron-LM's fused-loss tests run): megatron's compiled kernels on
+# their stand-in, on the GQA Llama-style and GPT-style bases over one process, TP 2 with and without SP and PP 2
+# (the loss on the last stage).
+CE = {"--cross-entropy-loss-fusion": True}
+CE_LAYOUTS = {"w1": LAYOUTS["w1"], "tp2_sp": LAYOUTS["tp2_sp"], "pp2": LAYOUTS["pp2"], "tp2": NO_SP_LAYOUTS["tp2"]}
+
 
 def configs() -> list:
     out = []
@@ -131,7 +138,8 @@ def configs() -> list:
         [("gpt_unf", UNFUSED_BASES["gpt_unf"], {"tp2": NO_SP_LAYOUTS["tp2"]})] + \
         [(f"{b}_local", {**BASES[b], **LOCAL}, LOCAL_LAYOUTS) for b in ("llama_gqa", "gpt")] + \
         [("llama_moe_local", {**BASES["llama_gqa"], **LOCAL}, LOCAL_MOE_LAYOUTS["llama_moe_local"]),
-         ("gpt_moe_local", {**GPT_MOE, **LOCAL}, LOCAL_MOE_LAYOUTS["gpt_moe_local"])]
+         ("gpt_moe_local", {**GPT_MOE, **LOCAL}, LOCAL_MOE_LAYOUTS["gpt_moe_local"])] + \
+        [(f"{b}_cefusion", {**BASES[b], **CE}, CE_LAYOUTS) for b in ("llama_gqa", "gpt")]
     # (each group appended after the ones before it, which keep their shapes)
     for base, base_flags, layouts in plan:
         for layout, (world, ranks, lflags) in layouts.items():

@@ -1,0 +1,21 @@
+"""--moe-shared-expert-intermediate-size: shared experts (an MLP every token passes beside the routed experts, as in
+Qwen- and DeepSeek-style MoE). No traced run had them, so a fitted set's MoE layer holds no program for them: their
+row is the hand-modelled set's formula for them (modelled, and counted so in the report's measured share). The
+modelled set counts them itself."""
+from __future__ import annotations
+
+from . import formulas as F
+from .transforms import layer_transform
+
+LABEL = "layers.*.mlp.shared_experts"
+
+
+@layer_transform("shared experts", LABEL)
+def layer_row(cfg, env: dict, moe: bool, modelled: bool):
+    if modelled or not moe or not getattr(cfg, "moe_shared_expert_intermediate_size", None):
+        return None
+    formula = F.select(F.load(F.MODELLED_SET), LABEL, F.switches(cfg, env))
+    if formula is None:
+        return None
+    saved, fwd, bwd = formula.evaluate(env)
+    return (LABEL, saved, fwd, bwd)
