@@ -309,6 +309,14 @@ def content_checksum(doc: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
+def _event(parsed: dict, text: Any, where: str) -> ProgramEvent:
+    hit = parsed.get(text) if isinstance(text, str) else None
+    if hit is None:
+        hit = parse_event(text, where)
+        parsed[text] = hit
+    return hit
+
+
 def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
     src = path or "<program set>"
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -320,6 +328,7 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
         raise ProgramError(f"{src}: checksum mismatch: the file was changed after it was written (refit it, or "
                            f"restore it)")
     cells = []
+    parsed: Dict[str, ProgramEvent] = {}    # one parse per distinct event text: a set repeats a few hundred
     for i, raw in enumerate(doc.get("programs") or []):
         where = f"{src}: programs[{i}]"
         if not isinstance(raw, dict) or raw.get("phase") not in ("fwd", "bwd") or not isinstance(raw.get("label"), str):
@@ -331,7 +340,7 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
         when = raw.get("when", [{}])
         if not isinstance(when, list) or not all(isinstance(w, dict) for w in when) or not when:
             raise ProgramError(f"{where}: 'when' must be a non-empty list of switch dicts")
-        events = [parse_event(e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
+        events = [_event(parsed, e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
         _check_refs(events, where)
         seen = raw.get("seen") or {}
         if isinstance(seen, list) and (len(seen) != len(when) or not all(isinstance(x, dict) for x in seen)) or \
