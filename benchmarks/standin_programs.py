@@ -100,6 +100,7 @@ def without_row_vectors(events: list, row_bytes: int, keep: int = 0) -> list:
 def compare_run(run, gpu) -> dict:
     """(phase, label) -> (verdict, first differing (cpu, gpu) event or None) for one loaded run."""
     out = {}
+    rows = _row_bytes(run.point)
     for (phase, label), prog in sorted(run.programs.items()):
         cells, measured = gpu.select(phase, label, run.switches)
         if not cells or not measured:
@@ -111,8 +112,7 @@ def compare_run(run, gpu) -> dict:
             out[(phase, label)] = ("equal", None)
         elif without_grad_casts(mine) in theirs:
             out[(phase, label)] = ("equal up to CPU casts", None)
-        elif any(without_grad_casts(without_row_vectors(mine, _row_bytes(run.point), _allocs(t, _row_bytes(run.point))))
-                 == t for t in theirs):
+        elif any(without_grad_casts(without_row_vectors(mine, rows, _allocs(t, rows))) == t for t in theirs):
             out[(phase, label)] = ("equal up to row vectors", None)
         else:
             first = next((a, b) for a, b in zip_longest(mine, theirs[0]) if a != b)

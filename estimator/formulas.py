@@ -775,6 +775,13 @@ def kernels(cfg: Any) -> Dict[str, Any]:
     }
 
 
+def fused_cross_entropy(cfg: Any) -> str:
+    """The `fuse_ce` switch: 'none', or the implementation --cross-entropy-loss-fusion runs ('native' | 'te')."""
+    if not _get(cfg, "cross_entropy_loss_fusion", False):
+        return "none"
+    return str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
+
+
 def attention_kernel(cfg: Any) -> str:
     """'flash' for TE / flash-attn, 'unfused' for the local spec (and the unfused backend)."""
     if _get(cfg, "attention_kernel", None) in SWITCHES["attention"]:
@@ -843,8 +850,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         **{k: kern[k] for k in ("spec", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask",
                                      "fuse_bda", "collectives", "grouped_gemm", "scores",
                                      "torch_norm")},
-        "fuse_ce": (str(_get(cfg, "cross_entropy_fusion_impl", "native") or "native")
-                    if _get(cfg, "cross_entropy_loss_fusion", False) else "none"),
+        "fuse_ce": fused_cross_entropy(cfg),
         "mb1": v["b"] == 1,
         "qcopy": 1 < g_rank < a_rank,
         "qcore": kern["attention"] == "unfused" and g_rank == 1 < a_rank and v["b"] > 1 and position != "rope",

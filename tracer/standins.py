@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from estimator.formulas import kernels as kernel_switches, softmax_batch_per_block
+from estimator.formulas import fused_cross_entropy, kernels as kernel_switches, softmax_batch_per_block
 
 
 # ----------------------------------------------------------------------------------------------- dropout
@@ -793,8 +793,7 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     tconfig.bias_dropout_fusion = k["fuse_bda"]
     if k["torch_norm"] == "cuda" and not on_gpu:
         _install_torch_norms()
-    if getattr(cfg, "cross_entropy_loss_fusion", False) and not on_gpu \
-            and (getattr(cfg, "cross_entropy_fusion_impl", None) or "native") == "native":
+    if fused_cross_entropy(cfg) == "native" and not on_gpu:
         _install_fused_cross_entropy()
     if k["fuse_rope"] and not (on_gpu and rope_kernel_present()):
         _install_rope()

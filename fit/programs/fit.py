@@ -58,6 +58,23 @@ def relevant_switches(label: str, runs: list) -> list:
     return [k for k in keys if len({r.switches.get(k) for r in runs}) > 1]
 
 
+def _by_switch(items: list, k: str) -> dict:
+    """[(Run, Program)] grouped by the runs' value of switch k."""
+    parts: dict = {}
+    for r, p in items:
+        parts.setdefault(r.switches.get(k), []).append((r, p))
+    return parts
+
+
+def _first_split(items: list, first: list):
+    """(0, k, parts) for the first of `first` whose values' runs hold different sets of structures, else None."""
+    for k in first:
+        parts = _by_switch(items, k)
+        if len({frozenset(p.shape for _, p in part) for part in parts.values()}) > 1:
+            return 0, k, parts
+    return None
+
+
 def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = None, first: tuple = ()) -> list:
     """Split runs by switches until each part has one event structure: [(path, items)], path the switch values
     that define the part. At each step the switch (in `keys` order on ties) that leaves the fewest runs outside
@@ -68,21 +85,11 @@ def cell_tree(items: list, keys: list, path: tuple = (), notes: list | None = No
     if len(shapes) == 1:
         return [(path, items)]
     used = {k for k, _ in path}
-    best = None
-    for k in keys:
-        if k in first and k not in used:
-            parts = {}
-            for r, p in items:
-                parts.setdefault(r.switches.get(k), []).append((r, p))
-            if len({frozenset(p.shape for _, p in part) for part in parts.values()}) > 1:
-                best = (0, k, parts)
-                break
+    best = _first_split(items, [k for k in keys if k in first and k not in used])
     for k in keys if best is None else ():
         if k in used:
             continue
-        parts: dict = {}
-        for r, p in items:
-            parts.setdefault(r.switches.get(k), []).append((r, p))
+        parts = _by_switch(items, k)
         if len(parts) < 2:
             continue
         impurity = sum(len(part) - Counter(p.shape for _, p in part).most_common(1)[0][1] for part in parts.values())
