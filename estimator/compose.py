@@ -348,7 +348,8 @@ def untraced_features(cfg, sw: dict, fset) -> list:
             continue    # no dropout, no mask
         if k in seen_values and v not in seen_values[k]:
             out.append(f"{k}={v}")
-    out += unseen_pairs(sw, _traced_switches(fset), {k for k in STRUCTURE_SWITCHES if k in seen_values})
+    keys = {k for k in STRUCTURE_SWITCHES if k in seen_values}
+    out += unseen_pairs(sw, _traced_with(fset, keys), keys)
     # (qk-layernorm, context parallelism and shared experts are the layer transforms' rows, modelled: `modelled`)
     return out
 
@@ -364,18 +365,51 @@ def _traced_switches(fset) -> list:
     return hit
 
 
-def unseen_pairs(sw: dict, traced: list, keys: set) -> list:
+def _traced_with(fset, keys: set) -> "_CoValues":
+    """The traced runs' values of `keys` as _CoValues, made once per set."""
+    ck = ("traced with", tuple(sorted(keys)))
+    hit = fset._cache.get(ck)
+    if hit is None:
+        hit = fset._cache[ck] = _CoValues(_traced_switches(fset), keys)
+    return hit
+
+
+class _CoValues:
+    """Per switch value, the values of every other switch in the traced runs that had it: with(a, va)[b]. Built
+    on the distinct combinations of the switches asked about (a set's runs repeat a few dozen of them), each
+    value's table on first ask."""
+
+    def __init__(self, traced: list, keys: set):
+        names = sorted(keys)
+        self.combos = [dict(c) for c in {tuple((k, t.get(k)) for k in names) for t in traced}]
+        self._with: dict = {}
+
+    def with_(self, a: str, va) -> dict:
+        hit = self._with.get((a, va))
+        if hit is None:
+            hit = self._with[(a, va)] = {}
+            for t in self.combos:
+                if t.get(a) == va:
+                    for b, vb in t.items():
+                        hit.setdefault(b, set()).add(vb)
+        return hit
+
+
+def unseen_pairs(sw: dict, traced, keys: set) -> list:
     """Pairs of the config's switch values that the traced runs only ever saw confounded: every run with one
     value had the same other value of the second switch, and the reverse (the H100 campaign ran the TE spec only
     with flash attention, so `spec=te` and `attention=flash` cannot be told apart there). Such a config is not
-    composed from measured parts, whatever the single values say."""
+    composed from measured parts, whatever the single values say. traced: the runs' switch dicts, or _CoValues
+    of them over `keys`."""
+    if not isinstance(traced, _CoValues):
+        traced = _CoValues(traced, keys)
     out = []
     names = sorted(k for k in keys if k in sw)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             va, vb = sw[a], sw[b]
-            with_a = {t.get(b) for t in traced if t.get(a) == va}
-            with_b = {t.get(a) for t in traced if t.get(b) == vb}
+            with_a = traced.with_(a, va).get(b, set())
+            with_b = traced.with_(b, vb).get(a, set())
             if with_a and with_b and vb not in with_a and len(with_a) == 1 and len(with_b) == 1:
                 out.append(f"{a}={va} with {b}={vb}")
     return out

@@ -31,6 +31,7 @@ from .formulas import PROGRAM_FORMAT, VARIABLES
 
 FORMAT = PROGRAM_FORMAT
 VERSION = 1
+_ABSENT = object()    # a switch the config does not have (a key of ProgramSet.choose's memo)
 OPS = ("+", "-", "+~", "-~")
 
 
@@ -59,6 +60,7 @@ class ProgramCell:
     runs: int = 0
     first: bool = False     # the model's first layer's program ("layer": "first"), which frees what only it holds
     instance: Optional[str] = None   # "first" | "last" of a label's repeated instances in one call (local experts)
+    _plan: Optional[list] = field(default=None, repr=False, compare=False)   # signed()'s events, made once
 
     def matches(self, sw: Mapping[str, Any]) -> bool:
         return self.entry(sw) is not None
@@ -90,24 +92,31 @@ class ProgramCell:
 
     def signed(self, env: Mapping[str, float]) -> List[float]:
         """The events as signed byte counts at a config's variables."""
-        allocs: List[float] = []
-        workers: Dict[str, float] = {}
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = _plan(self.events)
+        sizes: List[float] = []
         out = []
-        for ev in self.events:
-            if ev.terms is None:
-                out.append(-(allocs[int(ev.ref[1:])] if ev.op == "-" else workers[ev.ref]))
+        for kind, terms, arg in plan:
+            if kind == _LOCAL_FREE:
+                out.append(-sizes[arg])
                 continue
             # a tensor has no negative size: a formula fitted on a few runs (a kernel's block-rounded workspace) can
             # go below zero far from them
-            size = max(value(ev.terms, env), 0.0)
-            if ev.op == "+":
-                allocs.append(size)
+            size = 0.0
+            for c, mono in terms:
+                for var, exp in mono:
+                    c *= env[var] ** exp
+                size += c
+            if size < 0.0:
+                size = 0.0
+            if kind == _ALLOC:
+                sizes.append(size)
                 out.append(size)
-            elif ev.op == "+~":
-                workers[ev.ref] = size
-                out.append(size)
+            elif arg is None:
+                out.append(-size)
             else:
-                out.append(-size * repeats(ev, env))
+                out.append(-size * max(int(round(value(arg, env))), 0))
         return out
 
     def qualifier(self) -> str:
@@ -145,10 +154,19 @@ class ProgramSet:
     # there only, so a config with another value is extrapolated, not measured (FORMATS 7)
     fixed: Dict[str, Dict[str, float]] = field(default_factory=dict)
     _by_key: Dict[Tuple[str, str], List[ProgramCell]] = field(default_factory=dict, repr=False)
+    # per label, the switches its cells' `when` and `seen` name: the only ones its choice of cells depends on
+    _keys: Dict[str, Tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _chosen: Dict[tuple, tuple] = field(default_factory=dict, repr=False)   # choose()'s answers, memoised
 
     def __post_init__(self):
+        keys: Dict[str, set] = {}
         for c in self.cells:
             self._by_key.setdefault((c.phase, c.label) + ((c.qualifier(),) if c.qualifier() else ()), []).append(c)
+            names = keys.setdefault(c.label, set())
+            for i, w in enumerate(c.when):
+                names.update(w)
+                names.update(c.seen_of(i))
+        self._keys = {label: tuple(sorted(names)) for label, names in keys.items()}
 
     def labels(self) -> List[str]:
         return sorted({key[1] for key in self._by_key})
@@ -177,6 +195,19 @@ class ProgramSet:
         d = [c.distance(sw) for c in cells]
         return [c for c, x in zip(cells, d) if x == min(d)]
 
+    def choose(self, phase: str, label: str, sw: Mapping[str, Any], first: bool = False,
+               instance: Optional[str] = None) -> Tuple[List[ProgramCell], bool]:
+        """select()'s cells, else the nearest cells (not measured); memoised on the switches the label's cells
+        name, as an estimate asks the same few dozen questions once per layer and a search once per layout."""
+        key = (phase, label, first, instance) + tuple(sw.get(k, _ABSENT) for k in self._keys.get(label, ()))
+        hit = self._chosen.get(key)
+        if hit is None:
+            cells, measured = self.select(phase, label, sw, first, instance)
+            if not cells:
+                cells, measured = self.nearest(phase, label, sw), False
+            hit = self._chosen[key] = (cells, measured)
+        return hit
+
     def answer(self, phase: str, label: str, sw: Mapping[str, Any], env: Mapping[str, float], first: bool = False,
                instance: Optional[str] = None) -> Tuple[Optional[ProgramCell], Tuple[float, float], bool]:
         """(the program taken for the label's phase, its (delta, peak) at env, measured: the matching cell's runs had
@@ -185,11 +216,9 @@ class ProgramSet:
         runs lacked a value still answers (its structure is the config's: other cells' programs, mixed label by
         label, would not free what they allocate), counted as not measured. (None, (0, 0), True) where the label
         never has that phase."""
-        cells, measured = self.select(phase, label, sw, first, instance)
+        cells, measured = self.choose(phase, label, sw, first, instance)
         if not cells:
-            cells = self.nearest(phase, label, sw)
-            if not cells:
-                return None, (0.0, 0.0), True
+            return None, (0.0, 0.0), True
         if len(cells) == 1:
             return cells[0], cells[0].delta_peak(env), measured
         scored = [(c.delta_peak(env), i) for i, c in enumerate(cells)]
@@ -200,6 +229,35 @@ class ProgramSet:
 def repeats(ev: ProgramEvent, env: Mapping[str, float]) -> int:
     """How many times a free repeats at a config (at least 0)."""
     return 1 if ev.count is None else max(int(round(value(ev.count, env))), 0)
+
+
+_ALLOC, _FREE, _LOCAL_FREE = 0, 1, 2
+
+
+def _plan(events: List[ProgramEvent]) -> list:
+    """A cell's events as signed() walks them: (kind, float terms, arg), where arg is a local free's index into the
+    program's sizes (another thread's allocations count as the program's, so `-~ ~k` is a local free too) or a
+    free's repeat count (None: once). Float coefficients: a Fraction per term per estimate costs more than the
+    rest of the walk."""
+    out: list = []
+    n = 0
+    allocs: List[int] = []     # `#j` -> the j-th `+` allocation's place among the sizes
+    workers: Dict[str, int] = {}
+    for ev in events:
+        if ev.terms is None:
+            out.append((_LOCAL_FREE, None, allocs[int(ev.ref[1:])] if ev.op == "-" else workers[ev.ref]))
+            continue
+        terms = tuple((float(c), mono) for c, mono in ev.terms)
+        if ev.op in ("+", "+~"):
+            if ev.op == "+":
+                allocs.append(n)
+            else:
+                workers[ev.ref] = n
+            out.append((_ALLOC, terms, n))
+            n += 1
+        else:
+            out.append((_FREE, terms, ev.count))
+    return out
 
 
 # ---------------------------------------------------------------- text <-> terms
