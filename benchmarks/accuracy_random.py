@@ -5,8 +5,9 @@
 
 benchmarks/accuracy.py's held-out configs are tiny (h 64-128, s 32-64, vocab 128-200): weights and optimizer
 states dominate their peaks and hide activation errors. This benchmark draws configs with realistic proportions
-from a seeded generator instead: 2-4 layers, h 64-192, s 128-384, vocab 1000-3000, microbatch 1-4; gelu/swiglu,
-LayerNorm/RMSNorm, learned/rope positions, MHA/GQA, biases on/off, tied/untied embeddings, dropout on/off, fp32
+from a seeded generator instead: 2-4 layers, h 64-192, s 128-384, vocab 1000-3000, microbatch 1-4;
+gelu/swiglu/squared-ReLU, LayerNorm/RMSNorm, learned/rope positions, MHA/GQA, biases on/off, tied/untied
+embeddings, dropout on/off, fp32
 (bf16 in at most about 1 in 7 draws, small ones: it is ~14x slower on CPU; with DP, gradients reduced in bf16 in
 half of them), TP 2 with and without sequence
 parallelism, PP 2 (1F1B and interleaved), DP 2 with and without the distributed optimizer, selective and full
@@ -65,7 +66,7 @@ MAX_DRAWS = 2000
 # What "differs" means for the held-out rule: the switches and shapes of a config, as Megatron derives them.
 FEATURES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
             "seq_length", "micro_batch_size", "num_microbatches", "padded_vocab_size", "position_embedding_type",
-            "swiglu", "normalization", "add_bias_linear", "untie_embeddings_and_output_weights", "hidden_dropout",
+            "swiglu", "squared_relu", "normalization", "add_bias_linear", "untie_embeddings_and_output_weights", "hidden_dropout",
             "attention_dropout", "params_dtype", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size", "data_parallel_size", "sequence_parallel",
             "use_distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
@@ -199,6 +200,13 @@ def draw(seed: int, index: int, gpu_kernels: bool = False) -> dict:
         if rng.random() < 0.3:
             argv += ["--moe-ffn-hidden-size", str(rng.choice([1, 2]) * hidden)]
         tags.append(f"e{experts}k{topk}" + ("a2a" if dispatcher == "alltoall" else "ag"))
+    # squared-ReLU MLPs (Nemotron-style) in a fifth of the non-gated draws, from their own stream (no other draw
+    # moves); megatron-core refuses them with the bias-GeLU fusion, which linear biases turn on
+    if "--swiglu" not in argv and random.Random(f"{seed}:{index}:activation").random() < 0.2:
+        argv.append("--squared-relu")
+        if "--disable-bias-linear" not in argv:
+            argv.append("--no-bias-gelu-fusion")
+        tags.append("sqr")
     launcher = ["--crosscheck"]
     if gpu_kernels:
         launcher.append("--gpu-kernels")
@@ -224,7 +232,7 @@ def _kernel_flags(rng: random.Random, argv: list) -> tuple[list, list]:
             argv += ["--attention-backend", "unfused"]
         tags.append("teu" if unfused else "te")
     off = [f for f in FUSION_OFF if rng.random() < 0.25]
-    argv += off
+    argv += [f for f in off if f not in argv]
     if off:
         tags.append("nf" + "".join(f[5] for f in off))
     return argv, tags

@@ -156,6 +156,7 @@ class TrainingConfig:
     pipeline_model_parallel_layout: Optional[str] = None
     microbatch_group_size_per_vp_stage: Optional[int] = None
     quick_geglu: bool = False
+    squared_relu: bool = False   # relu(x)**2 in the MLP (Nemotron-style; eager, no fused kernel)
     softmax_type: str = "vanilla"  # vanilla | off-by-one | learnable (a parameter per head)
     moe_router_dtype: Optional[str] = None  # None (the activation dtype) | fp32 | fp64
     # --- torchrun ---
@@ -347,6 +348,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", "str"),
     "--microbatch-group-size-per-virtual-pipeline-stage": ("microbatch_group_size_per_vp_stage", "int"),
     "--quick-geglu": ("quick_geglu", "true"),
+    "--squared-relu": ("squared_relu", "true"),
     "--softmax-type": ("softmax_type", "str"),
     "--moe-router-dtype": ("moe_router_dtype", "str"),
     "--hf-config": ("hf_config", "str"),
@@ -764,6 +766,13 @@ def validate(cfg: TrainingConfig) -> None:
                           "Muon's states and Newton-Schulz temporaries are not modelled")
     if cfg.quick_geglu and cfg.swiglu:
         raise ConfigError("--quick-geglu and --swiglu cannot be used together (Megatron-LM asserts not swiglu)")
+    if cfg.squared_relu and (cfg.swiglu or cfg.quick_geglu):
+        raise ConfigError("--squared-relu cannot be used with --swiglu or --quick-geglu (Megatron-LM asserts not "
+                          "swiglu)")
+    if cfg.squared_relu and cfg.bias_gelu_fusion:
+        raise ConfigError("--squared-relu with the bias-GeLU fusion on (linear biases and no --no-bias-gelu-fusion): "
+                          "megatron-core's TransformerConfig refuses a fused bias-activation other than gelu, swiglu "
+                          "or quick-geglu; add --no-bias-gelu-fusion")
     if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):
         raise ConfigError("residual connection in fp32 only supported when using fp16 or bf16.")
     if cfg.position_embedding_type in ("mrope", "relative"):

@@ -56,7 +56,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "attention": ("unfused", "flash"),
     "sp": (True, False),
     "recompute": ("none", "selective", "full"),
-    "activation": ("gelu", "swiglu"),
+    "activation": ("gelu", "swiglu", "squared_relu"),
     "dtype": ("fp32", "bf16", "fp16"),
     "position": ("learned_absolute", "rope", "none"),
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -825,7 +825,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "recompute": rg if rg in ("selective", "full") else "none",
         # --quick-geglu is a gated unit too: fc1 output 2 x ffn, the product ffn; its activations are modelled by
         # the swiglu formulas (the same tensors; a quick-GELU instead of a SiLU)
-        "activation": "swiglu" if _get(cfg, "swiglu", False) or _get(cfg, "quick_geglu", False) else "gelu",
+        "activation": "swiglu" if _get(cfg, "swiglu", False) or _get(cfg, "quick_geglu", False)
+        else "squared_relu" if _get(cfg, "squared_relu", False) else "gelu",
         "dtype": dtype,
         "position": position,
         "normalization": "RMSNorm" if _get(cfg, "normalization", "LayerNorm") == "RMSNorm" else "LayerNorm",

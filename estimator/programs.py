@@ -367,12 +367,18 @@ def content_checksum(doc: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _event(parsed: dict, text: Any, where: str) -> ProgramEvent:
-    hit = parsed.get(text) if isinstance(text, str) else None
-    if hit is None:
-        hit = parse_event(text, where)
-        parsed[text] = hit
-    return hit
+def _events(parsed: dict, texts: list, where: str) -> List[ProgramEvent]:
+    """A cell's events, each distinct text parsed once per set (`parsed`; the error names the event's place)."""
+    out = []
+    get = parsed.get
+    for j, text in enumerate(texts):
+        hit = get(text) if isinstance(text, str) else None
+        if hit is None:
+            hit = parse_event(text, f"{where} event {j}")
+            if isinstance(text, str):
+                parsed[text] = hit
+        out.append(hit)
+    return out
 
 
 def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
@@ -398,7 +404,7 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
         when = raw.get("when", [{}])
         if not isinstance(when, list) or not all(isinstance(w, dict) for w in when) or not when:
             raise ProgramError(f"{where}: 'when' must be a non-empty list of switch dicts")
-        events = [_event(parsed, e, f"{where} event {j}") for j, e in enumerate(raw.get("events") or [])]
+        events = _events(parsed, raw.get("events") or [], where)
         _check_refs(events, where)
         seen = raw.get("seen") or {}
         if isinstance(seen, list) and (len(seen) != len(when) or not all(isinstance(x, dict) for x in seen)) or \

@@ -69,6 +69,9 @@ def transformer_config(cfg):
     if cfg.quick_geglu:
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
         kwargs.update(activation_func=quick_gelu, gated_linear_unit=True)
+    if cfg.squared_relu:
+        from megatron.core.activations import squared_relu
+        kwargs.update(activation_func=squared_relu)
     if cfg.softmax_type != "vanilla":
         kwargs.update(softmax_type=cfg.softmax_type)
     if cfg.pipeline_model_parallel_layout is not None:

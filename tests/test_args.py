@@ -443,6 +443,21 @@ def test_pipeline_layout_errors(layout, extra, message):
               f"--pipeline-model-parallel-layout {layout} {extra}")
 
 
+def test_squared_relu_is_a_plain_mlp_and_refuses_what_megatron_refuses():
+    from estimator import formulas as F
+    from estimator.model import layer_ops
+    cfg = parse("--squared-relu --disable-bias-linear")
+    fc1 = next(op for op in layer_ops(cfg, 0) if op.op.endswith("linear_fc1"))
+    assert fc1.shapes[0][0] == cfg.ffn_hidden_size == 4 * cfg.hidden_size
+    sw = F.switches(cfg)
+    assert sw["activation"] == "squared_relu" and F.kernels(cfg)["fuse_act"] is False
+    assert F.switches(parse("--squared-relu --no-bias-gelu-fusion"))["activation"] == "squared_relu"
+    with pytest.raises(ConfigError, match="--no-bias-gelu-fusion"):
+        parse("--squared-relu")     # biases on, fusion on: megatron-core's TransformerConfig raises
+    with pytest.raises(ConfigError, match="--squared-relu cannot be used with --swiglu"):
+        parse("--squared-relu --swiglu --disable-bias-linear")
+
+
 def test_quick_geglu_is_a_gated_mlp():
     from estimator import formulas as F
     from estimator.model import layer_ops

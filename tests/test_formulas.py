@@ -158,3 +158,16 @@ def test_modelled_input_batch_and_moe_gelu_experts():
     rows = 128 * 2 * 2   # tokens x top-k (etp 1)
     assert F.evaluate(s, "layers.*.mlp.experts", cfg(**moe))[0] == 3 * 2 * rows * 96
     assert F.evaluate(s, "layers.*.mlp.experts", cfg(swiglu=True, **moe))[0] == 3 * 2 * rows * 96
+
+
+def test_modelled_set_is_what_its_builder_writes():
+    """The shipped modelled set is generated (estimator/formula_sets/build_modelled.py): a row edited into the JSON
+    by hand would be lost on the next build, so the builder must reproduce the file's formulas exactly."""
+    import json
+    import os
+    from estimator.formula_sets import build_modelled
+
+    build_modelled.FORMULAS.clear()
+    with open(os.path.join(F.SHIPPED_DIR, "modelled.json"), encoding="utf-8") as fh:
+        shipped = json.load(fh)["formulas"]
+    assert json.loads(json.dumps(build_modelled.build())) == shipped

@@ -49,6 +49,10 @@ CASES = {
                        "--pipeline-model-parallel-layout 'Ett|tt|t|tL'",
     # --quick-geglu: a gated MLP (fc1 holds 2 x ffn rows) with the quick-GELU
     "quick_geglu_tp2": "--num-layers 2 --quick-geglu --tensor-model-parallel-size 2",
+    # Nemotron style: squared-ReLU MLP (not gated), LayerNorm, RoPE, no biases, untied, TP 2 x PP 2
+    "squared_relu_tp2_pp2": "--num-layers 4 --squared-relu --disable-bias-linear --position-embedding-type rope "
+                            "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 "
+                            "--pipeline-model-parallel-size 2",
     # gpt-oss style: a learnable softmax offset per head (sharded over TP)
     "learnable_softmax_tp2": "--num-layers 2 --softmax-type learnable --tensor-model-parallel-size 2",
     # MoE: EP4, shared experts, a dense layer in the pattern, swiglu, no biases

@@ -555,3 +555,80 @@ def test_te_unfused_attention_makes_its_scores_per_call_and_computes_the_local_a
     outputs and the q, k, v gradients, fp64) but leaves megatron's global memory buffer untouched: its scores are a
     tensor of each call (TE's UnfusedDotProductAttention), where the local attention keeps them in that buffer."""
     assert run_one_rank(_TE_UNFUSED_VS_LOCAL) == ["StandinUnfusedAttention", "0", "DotProductAttention", "1"]
+
+
+def _megatron_eager(name: str):
+    """megatron's own arithmetic for a fused activation (the function torch.compile wraps, where it does)."""
+    from megatron.core.fusions import fused_bias_gelu, fused_bias_swiglu
+    fn = getattr(fused_bias_gelu, name, None) or getattr(fused_bias_swiglu, name)
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
+@pytest.mark.parametrize("name,args", [
+    ("bias_gelu", ("b", "y")), ("bias_gelu_back", ("g", "b", "y")), ("swiglu", ("y2",)),
+    ("bias_swiglu", ("y2", "b2")), ("swiglu_back", ("g", "y2")), ("bias_swiglu_back", ("g", "y2", "b2"))])
+def test_fused_activation_arithmetic_equals_megatrons(name, args):
+    """The bias-activation stand-ins compute what megatron's compiled functions compute (fp64: megatron's tanh
+    constants against torch's own tanh-approximate GeLU agree to the printed digits)."""
+    torch.manual_seed(5)
+    f = 12
+    t = {"y": torch.randn(6, 2, f, dtype=torch.float64), "b": torch.randn(f, dtype=torch.float64),
+         "y2": torch.randn(12, 2 * f, dtype=torch.float64), "b2": torch.randn(2 * f, dtype=torch.float64)}
+    t["g"] = torch.randn(6, 2, f, dtype=torch.float64) if "gelu" in name else torch.randn(12, f, dtype=torch.float64)
+    if name.endswith("_back") and "swiglu" in name:
+        t["g"] = torch.randn(12, f, dtype=torch.float64)
+    ins = [t[a] for a in args]
+    torch.testing.assert_close(getattr(standins, "_" + name)(*ins), _megatron_eager(name)(*ins), rtol=1e-7, atol=1e-8)
+
+
+def test_cuda_bias_grad_sums_over_tokens():
+    """A bias's gradient is the sum over tokens, in the gradient's dtype (its buffers' order: the program test
+    below)."""
+    g = torch.randn(5, 3, 200, dtype=torch.bfloat16)
+    out = standins._cuda_bias_grad(g, 200)
+    torch.testing.assert_close(out, g.float().sum((0, 1)).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    assert out.shape == (200,) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("model", ["gpt", "gpt_local", "llama"])
+def test_fused_activation_programs_are_the_h100_ones(tmp_path, model):
+    """A bf16 run on the stand-ins: the fused activation's segment (`layers.*.mlp@linear_fc1`: megatron's bias-GeLU
+    with its bias, SwiGLU without) allocates and frees event for event what the H100 traces' programs
+    (fit/sets/gpu_h100.json, evaluated at this run's shapes) do, forward and backward: one output each way, and
+    the bias's gradient through the CUDA reduction's buffers. A free of another segment's tensor is compared by
+    the segment (the TE spec's layernorm-linear stand-in makes more tensors on a CPU, which renumbers them)."""
+    from benchmarks.standin_programs import without_grad_casts
+    from estimator import formulas as F
+    from fit.programs.build import load_runs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    s, b = 128, 2
+    extra = {"gpt": [], "gpt_local": ["--transformer-impl", "local"],
+             "llama": ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                       "--disable-bias-linear", "--untie-embeddings-and-output-weights"]}[model]
+    cmd = [sys.executable, "-W", "ignore", "-m", "tracer.profile", "--cpu", "--gpu-kernels", "--out",
+           str(tmp_path), "--iterations", "2", "--", "--num-layers", "2", "--hidden-size", "128",
+           "--num-attention-heads", "4", "--seq-length", str(s), "--max-position-embeddings", str(s),
+           "--micro-batch-size", str(b), "--global-batch-size", str(b), "--vocab-size", "512", "--bf16",
+           "--hidden-dropout", "0", "--attention-dropout", "0"] + extra
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run,) = load_runs([str(tmp_path)])
+    assert run.switches["fuse_act"] is True
+
+    def segment(events):
+        # the reduction's semaphores (4 bytes per 128 outputs, rounded up) are requested as the one 512-byte block
+        # the caching allocator makes of them: compared as that block
+        return [(op, max(size, 512) if size < 512 else size, ref if ref.startswith("#") or not ref
+                 else ref.split("#")[0]) for op, size, ref in events]
+
+    label = "layers.*.mlp@linear_fc1"
+    gpu = F.load("gpu_h100").programs
+    for phase in ("fwd", "bwd"):
+        cells, _ = gpu.select(phase, label, run.switches)
+        assert len(cells) == 1, phase
+        want = [(op, int(round(x)), ref) for op, x, ref in cells[0].evaluated(run.point)]
+        got = without_grad_casts([(e.op, e.size, e.ref) for e in run.programs[(phase, label)].events()])
+        assert segment(got) == segment(want), phase
+        assert sum(op == "+" for op, _, _ in got) == (1 if phase == "fwd" or model == "llama" else 4)

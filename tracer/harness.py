@@ -135,6 +135,7 @@ def megatron_lm_kwargs(cfg, extra: dict) -> dict:
     argparse dest is copied (TrainingConfig holds Megatron-LM's dests and their values after validate_args), then a
     few are set explicitly. Device-independent: transformer_config() turns off what this machine cannot run."""
     import torch.nn.functional as F
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -158,7 +159,7 @@ def megatron_lm_kwargs(cfg, extra: dict) -> dict:
         num_layers_in_first_pipeline_stage=cfg.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=cfg.decoder_last_pipeline_num_layers,
         gated_linear_unit=cfg.swiglu,
-        activation_func=F.silu if cfg.swiglu else F.gelu,
+        activation_func=F.silu if cfg.swiglu else squared_relu if cfg.squared_relu else F.gelu,
         bias_activation_fusion=cfg.bias_swiglu_fusion if cfg.swiglu else cfg.bias_gelu_fusion,
         num_query_groups=cfg.num_query_groups if cfg.group_query_attention else None,
     )

@@ -119,18 +119,101 @@ def _install_softmax():
 
 # ---------------------------------------------------------------------------------------- bias + activation
 def _install_bias_activation():
-    """megatron's GeLUFunction / SwiGLUFunction / BiasSwiGLUFunction are the real autograd functions (they choose
-    what is saved: the pre-activation input, and the bias); only their torch.compile'd arithmetic runs eagerly."""
+    """megatron's GeLUFunction / SwiGLUFunction / BiasSwiGLUFunction stay the autograd functions (they choose what
+    is saved: the pre-activation input, and the bias); their torch.compile'd arithmetic is replaced by code that
+    allocates what the compiled kernel does on a GPU (H100 traces): one output tensor, forward and backward (the
+    eager arithmetic makes a full-size tensor per operation: seven for GeLU's backward). A bias's gradient is
+    reduced as autograd's CUDA reduction does it (_cuda_bias_grad). Weighted SwiGLU (MoE probabilities applied in
+    the activation) keeps its eager arithmetic."""
     from megatron.core.fusions import fused_bias_gelu as g, fused_bias_swiglu as s
 
-    for mod, names in ((g, ("bias_gelu", "bias_gelu_back")),
-                       (s, ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
-                            "weighted_swiglu_back"))):
-        for name in names:
-            fn = getattr(mod, name, None)
-            orig = getattr(fn, "_torchdynamo_orig_callable", None)
-            if orig is not None:
-                setattr(mod, name, orig)
+    g.bias_gelu, g.bias_gelu_back = _bias_gelu, _bias_gelu_back
+    s.swiglu, s.bias_swiglu, s.swiglu_back, s.bias_swiglu_back = _swiglu, _bias_swiglu, _swiglu_back, _bias_swiglu_back
+    for name in ("weighted_swiglu", "weighted_swiglu_back"):
+        orig = getattr(getattr(s, name, None), "_torchdynamo_orig_callable", None)
+        if orig is not None:
+            setattr(s, name, orig)
+    g.GeLUFunction.backward = staticmethod(_gelu_function_backward)
+    s.BiasSwiGLUFunction.backward = staticmethod(_bias_swiglu_function_backward)
+
+
+def _bias_gelu(bias, y):
+    out = torch.add(y, bias, out=torch.empty_like(y))
+    return torch.ops.aten.gelu_(out, approximate="tanh")     # megatron's tanh approximation, in place
+
+
+def _bias_gelu_back(g, bias, y):
+    x = torch.add(y, bias, out=torch.empty_like(y))
+    return torch.ops.aten.gelu_backward.grad_input(g, x, approximate="tanh", grad_input=x)
+
+
+def _swiglu(y):
+    y1, y2 = torch.chunk(y, 2, -1)
+    out = torch.ops.aten.silu.out(y1, out=y.new_empty(y1.shape))
+    return out.mul_(y2)
+
+
+def _bias_swiglu(y, bias):
+    # silu(y1 + b1) * (y2 + b2) in one output needs a second buffer here: the gate half plus its bias is a
+    # transient a GPU kernel does not make (megatron's SwiGLU with a bias; Llama-style MLPs have none)
+    b1, b2 = torch.chunk(bias, 2, -1)
+    y1, y2 = torch.chunk(y, 2, -1)
+    out = torch.add(y1, b1, out=y.new_empty(y1.shape))
+    torch.ops.aten.silu_(out)
+    up = torch.add(y2, b2, out=y.new_empty(y2.shape))
+    out.mul_(up)
+    del up
+    return out
+
+
+def _swiglu_back(g, y):
+    y1, y2 = torch.chunk(y, 2, -1)
+    out = y.new_empty(y.shape)
+    o1, o2 = torch.chunk(out, 2, -1)
+    torch.ops.aten.silu_backward.grad_input(y2, y1, grad_input=o1).mul_(g)   # g * silu'(y1) * y2
+    torch.ops.aten.silu.out(y1, out=o2).mul_(g)                               # g * silu(y1)
+    return out
+
+
+def _bias_swiglu_back(g, y, bias):
+    x = torch.add(y, bias, out=y.new_empty(y.shape))     # a transient the GPU kernel does not make (above)
+    out = _swiglu_back(g, x)
+    del x
+    return out
+
+
+_SEMAPHORE_BLOCK = 512   # the caching allocator's smallest block (kMinBlockSize)
+
+
+def _cuda_bias_grad(grad: torch.Tensor, width: int) -> torch.Tensor:
+    """A bias's gradient as autograd reduces it on a GPU (the sum over tokens of the activation's input gradient,
+    torch's CUDA reduction kernel): the [width] output, then the kernel's fp32 staging buffer and its semaphores,
+    freed at once. Sizes as the H100 traces show them for every bias of width F over R tokens: 8 * R * F bytes of
+    staging (measured up to R = 2,048; torch bounds the blocks of a larger reduction by the GPU's size, so beyond
+    it this errs high) and 4 bytes per 128 outputs of semaphores, rounded up: not a sum of monomials in F, so
+    requested here as the 512-byte block the caching allocator hands any request up to 512 B (F up to 16,384)."""
+    out = grad.new_empty(width)
+    rows = grad.numel() // width
+    staging = torch.empty(8 * rows * width, dtype=torch.uint8, device=grad.device)
+    semaphores = torch.empty(_SEMAPHORE_BLOCK, dtype=torch.uint8, device=grad.device)
+    torch.sum(grad.reshape(rows, width), dim=0, out=out)
+    del semaphores, staging
+    return out
+
+
+def _gelu_function_backward(ctx, grad_output):
+    from megatron.core.fusions import fused_bias_gelu as g
+    input, bias = ctx.saved_tensors
+    tmp = g.bias_gelu_back(grad_output, bias, input)
+    return tmp, _cuda_bias_grad(tmp, bias.numel())
+
+
+def _bias_swiglu_function_backward(ctx, grad_output):
+    from megatron.core.fusions import fused_bias_swiglu as s
+    input, bias = ctx.saved_tensors
+    input = input.to(ctx.ori_input_dtype) if ctx.fp8_input_store else input
+    tmp = s.bias_swiglu_back(grad_output, input, bias)
+    return tmp, _cuda_bias_grad(tmp, bias.numel()), None, None
 
 
 # ---------------------------------------------------------------------------------------- bias-dropout-add

@@ -140,7 +140,9 @@ def build():
             fwd=[mul(2, H), "2 s b h st^-1"], bwd=[mul(2, H)], note="+ two 1-byte dropout masks (GPU)")
 
         # --- dense MLP ------------------------------------------------------------------------------------------
-        for act, mult in (("gelu", 1), ("swiglu", 2)):
+        # squared-ReLU keeps what gelu keeps, one f-wide tensor each: relu's output (saved by relu and by the square)
+        # in place of the fc1 output, and the square (fc2's input)
+        for act, mult in (("gelu", 1), ("swiglu", 2), ("squared_relu", 1)):
             F1 = f"{mult} e s b f t^-1"
             D = {**W, "moe": False, "activation": act}
             wg = [] if te else [f"{mult} e h f t^-1"]
@@ -181,7 +183,7 @@ def build():
         # gelu has no weighted fusion, so the activation output (saved by the multiply) and the weighted product
         # (saved by fc2) are two tensors: 3 x R*fe/etp in all. (probs are in the router's logits dtype: the
         # product stays 16-bit; moe_utils.topk_softmax_with_capacity .type_as(logits).)
-        for act, mult, kept in (("gelu", 1, 2), ("swiglu", 2, 1)):
+        for act, mult, kept in (("gelu", 1, 2), ("swiglu", 2, 1), ("squared_relu", 1, 2)):
             F_e = "e s b k etp fe st^-1 etp^-1"
             sv = [f"{mult} {F_e}", f"{kept} {F_e}"]
             add("layers.*.mlp.experts", when={**M, "activation": act}, saved=sv, fwd=sv + [R_h],
@@ -216,6 +218,11 @@ def build():
         note="logits (s*b*v/t, activation dtype) live until the loss; grads of logits and input in backward")
     add("loss", per="model", when={}, saved=[f"4 {LOGITS}", "16 s b"], fwd=[f"1 e {LOGITS}", f"4 {LOGITS}", "16 s b"],
         bwd=[f"1 e {LOGITS}"], note="vocab-parallel cross-entropy: fp32 softmax over the vocab shard saved for backward")
+    add("loss", per="model", when={"fuse_ce": "native"}, saved=[f"4 {LOGITS}", "16 s b"],
+        fwd=[f"1 e {LOGITS}", f"8 {LOGITS}", "16 s b"], bwd=[f"1 e {LOGITS}"],
+        note="--cross-entropy-loss-fusion (native): megatron-core's scripted CE kernels on a GPU hold a second fp32 "
+             "copy of the logits in forward (measured on H100: loss forward peak 8*s*b*v bytes against 4*s*b*v "
+             "unfused)")
     return FORMULAS
 
 
