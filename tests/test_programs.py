@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from fractions import Fraction
@@ -24,7 +25,13 @@ SHIPPED = os.path.join(ROOT, "fit", "sets", "cpu_compose.json")
 
 
 def _runs(prefixes):
-    names = sorted(d for d in os.listdir(TRACES) if d.startswith(prefixes))
+    """The packed runs of the families the prefixes name (`gpt_moe_s`: the gpt_moe family, not gpt_moe_sqrelu)."""
+    def family(name):
+        return re.sub(r"_s\d+_b\d+_h\d+_a\d+$", "", name)
+
+    wanted = {p: re.match(r"^(.*?)(_s\d.*|_s|_)?$", p).group(1) for p in prefixes}
+    names = sorted(d for d in os.listdir(TRACES)
+                   if any(d.startswith(p) and family(d) == f for p, f in wanted.items()))
     return [os.path.join(TRACES, d) for d in names]
 
 
