@@ -77,6 +77,7 @@ class ComposedCache:
         for lst in self._by_label.values():
             lst.sort(key=lambda sf: -len(sf.when))
         self._first_chunk = False     # the chunk being walked holds the embedding (sequence's `first`)
+        self._layers: dict = {}       # (MoE, the model's first layer) -> (a layer's items, its index): _layer
         self.saved_measured = 0.0
         self.saved_extrapolated = 0.0
         self.saved_modelled = 0.0     # bytes of the rows registered transforms add (estimator.transforms)
@@ -209,11 +210,7 @@ class ComposedCache:
         for lo, hi, ckpt in groups:
             items: list = []
             for i in range(lo, hi):
-                sw = dict(self.sw, moe=bool(moe_flags[i]))
-                self._expand(LAYER, i, sw, items)
-                self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder",
-                          first=self._first_chunk and i == 0)
-                items += self.transform_items(bool(moe_flags[i]), i)
+                items += self._layer(bool(moe_flags[i]), i)
             if ckpt:
                 # An MoE layer's recomputed graph outlives the checkpoint's backward (the token dispatcher keeps
                 # its routing probabilities, which reach back to the group's detached input): the group's input
@@ -237,6 +234,20 @@ class ComposedCache:
                 if c != LAYER:
                     self._expand(c, None, self.sw, out)
                     self._own(own_label("decoder", c), None, self.sw, out, op="decoder")
+
+    def _layer(self, moe: bool, i: int) -> list:
+        """Layer i's items: the walk of a dense or MoE layer is the same for every layer but the model's first (its
+        own programs), so it is made once per kind and copied with the layer's index (a chunk walks every layer)."""
+        key = (moe, self._first_chunk and i == 0)
+        hit = self._layers.get(key)
+        if hit is None:
+            items: list = []
+            self._expand(LAYER, i, dict(self.sw, moe=moe), items)
+            self._own(own_label("decoder", LAYER), None, self.sw, items, op="decoder", first=key[1])
+            items += self.transform_items(moe, i)
+            hit = self._layers[key] = (items, i)
+        items, made = hit
+        return items if made == i else _renumbered(items, made, i)
 
     def _expand(self, op: str, layer, sw: dict, out: list, expert: float | None = None,
                 instance: str | None = None) -> None:
@@ -279,6 +290,17 @@ class ComposedCache:
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
         first = first or (layer == 0 and self._first_chunk)
         out.append((label, self.values(label, sw, tokens, first, instance), op or label, layer))
+
+
+def _renumbered(items: list, old: int, new: int) -> list:
+    """A layer's items with layer index `old` made `new` (a checkpoint's group likewise; other indices kept)."""
+    out = []
+    for it in items:
+        if it[0] in ("run", "ckpt"):
+            out.append((it[0], _renumbered(it[1], old, new)) + it[2:])
+        else:
+            out.append(it if it[3] != old else (it[0], it[1], it[2], new))
+    return out
 
 
 def _after_mlp(items: list) -> int:
