@@ -154,7 +154,7 @@ def _swiglu(y):
 
 
 def _bias_swiglu(y, bias):
-    # silu(y1 + b1) * (y2 + b2) in one output needs a second buffer here: the gate half plus its bias is a
+    # silu(y1 + b1) * (y2 + b2) in one output needs a second buffer here: the linear half plus its bias is a
     # transient a GPU kernel does not make (megatron's SwiGLU with a bias; Llama-style MLPs have none)
     b1, b2 = torch.chunk(bias, 2, -1)
     y1, y2 = torch.chunk(y, 2, -1)
