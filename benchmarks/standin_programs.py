@@ -117,7 +117,7 @@ def compare_run(run, gpu) -> dict:
             out[(phase, label)] = ("equal up to CPU casts", None)
         elif any(without_grad_casts(without_row_vectors(mine, rows, _allocs(t, rows))) == t for t in theirs):
             out[(phase, label)] = ("equal up to row vectors", None)
-        elif _blocks(without_grad_casts(mine)) in [_blocks(t) for t in theirs]:
+        elif in_allocator_blocks(without_grad_casts(mine)) in [in_allocator_blocks(t) for t in theirs]:
             out[(phase, label)] = ("equal in 512-byte blocks", None)
         else:
             first = next((a, b) for a, b in zip_longest(mine, theirs[0]) if a != b)
@@ -125,7 +125,7 @@ def compare_run(run, gpu) -> dict:
     return out
 
 
-def _blocks(events: list) -> list:
+def in_allocator_blocks(events: list) -> list:
     """Sizes under 512 bytes as the one 512-byte block the caching allocator makes of any of them (a stand-in
     requests a CUDA reduction's semaphores, 4 bytes per 128 outputs rounded up, as that block)."""
     return [(op, max(n, 512), ref) for op, n, ref in events]

@@ -371,7 +371,7 @@ def untraced_features(cfg, sw: dict, fset) -> list:
         if k in seen_values and v not in seen_values[k]:
             out.append(f"{k}={v}")
     keys = {k for k in STRUCTURE_SWITCHES if k in seen_values}
-    out += unseen_pairs(sw, _traced_with(fset, keys), keys)
+    out += unseen_pairs(sw, _traced_with(fset, keys))
     # (qk-layernorm, context parallelism and shared experts are the layer transforms' rows, modelled: `modelled`)
     return out
 
@@ -402,8 +402,8 @@ class _CoValues:
     value's table on first ask."""
 
     def __init__(self, traced: list, keys: set):
-        names = sorted(keys)
-        self.combos = [dict(c) for c in {tuple((k, t.get(k)) for k in names) for t in traced}]
+        self.names = sorted(keys)
+        self.combos = [dict(c) for c in {tuple((k, t.get(k)) for k in self.names) for t in traced}]
         self._with: dict = {}
 
     def with_(self, a: str, va) -> dict:
@@ -417,16 +417,14 @@ class _CoValues:
         return hit
 
 
-def unseen_pairs(sw: dict, traced, keys: set) -> list:
+def unseen_pairs(sw: dict, traced: _CoValues) -> list:
     """Pairs of the config's switch values that the traced runs only ever saw confounded: every run with one
     value had the same other value of the second switch, and the reverse (the H100 campaign ran the TE spec only
     with flash attention, so `spec=te` and `attention=flash` cannot be told apart there). Such a config is not
-    composed from measured parts, whatever the single values say. traced: the runs' switch dicts, or _CoValues
-    of them over `keys`."""
-    if not isinstance(traced, _CoValues):
-        traced = _CoValues(traced, keys)
+    composed from measured parts, whatever the single values say. traced: the runs' values of the switches
+    asked about."""
     out = []
-    names = sorted(k for k in keys if k in sw)
+    names = [k for k in traced.names if k in sw]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             va, vb = sw[a], sw[b]

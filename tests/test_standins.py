@@ -598,7 +598,7 @@ def test_fused_activation_programs_are_the_h100_ones(tmp_path, model):
     (fit/sets/gpu_h100.json, evaluated at this run's shapes) do, forward and backward: one output each way, and
     the bias's gradient through the CUDA reduction's buffers. A free of another segment's tensor is compared by
     the segment (the TE spec's layernorm-linear stand-in makes more tensors on a CPU, which renumbers them)."""
-    from benchmarks.standin_programs import without_grad_casts
+    from benchmarks.standin_programs import in_allocator_blocks, without_grad_casts
     from estimator import formulas as F
     from fit.programs.build import load_runs
 
@@ -620,8 +620,8 @@ def test_fused_activation_programs_are_the_h100_ones(tmp_path, model):
     def segment(events):
         # the reduction's semaphores (4 bytes per 128 outputs, rounded up) are requested as the one 512-byte block
         # the caching allocator makes of them: compared as that block
-        return [(op, max(size, 512) if size < 512 else size, ref if ref.startswith("#") or not ref
-                 else ref.split("#")[0]) for op, size, ref in events]
+        return [(op, size, ref if ref.startswith("#") or not ref else ref.split("#")[0])
+                for op, size, ref in in_allocator_blocks(events)]
 
     label = "layers.*.mlp@linear_fc1"
     gpu = F.load("gpu_h100").programs

@@ -4,9 +4,13 @@ Two bases, a GPT-style one (gelu, LayerNorm, learned positions, MHA, biases, tie
 RMSNorm, rope, GQA, no biases, untied), each with every switch toggled alone (and TP with and without SP, bf16,
 dropout, selective recompute, MoE), each combination traced at several shapes drawn from a rotating list, so every
 segment label's formula is determined within the switch values that change it and pooled over those that do not.
+Squared-ReLU twins (--squared-relu) of a few of those families: GPT- and Llama-style, bf16, TP 2 + SP, and MoE with 4
+and 8 experts, top-k 1 to 3, both dispatchers and EP 2, so that no size of the experts' programs is pinned.
 Run: python fit/grids/make_cpu_compose.py
 """
+import copy
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -507,9 +511,35 @@ def moe_covering_configs() -> list:
     return out
 
 
+# (family to copy, its squared-ReLU twin, configs taken): the first configs of each family, as they come above
+SQUARED_RELU = [("gpt_base", "gpt_sqrelu", 3), ("llama_base", "llama_sqrelu", 3), ("gpt_bf16", "gpt_bf16_sqrelu", 3),
+                ("gpt_tp2sp", "gpt_tp2sp_sqrelu", 3), ("gpt_moe", "gpt_moe_sqrelu", 3),
+                ("gpt_moe_a2a", "gpt_moe_a2a_sqrelu", 3), ("gpt_moe_e8k1", "gpt_moe_sqrelu_e8k1", 3),
+                ("gpt_moe_a2a_e8k3_ep2", "gpt_moe_sqrelu_a2a_e8k3_ep2", 2), ("gpt_moe_k3", "gpt_moe_sqrelu_k3", 2)]
+
+
+def squared_relu_configs(cfgs: list) -> list:
+    """Squared-ReLU twins of the SQUARED_RELU families: the same shapes and flags, the activation squared-ReLU (with
+    linear biases the bias-GeLU fusion off, as megatron-core requires)."""
+    def family(name):
+        return re.sub(r"_s\d+_b\d+_h\d+_a\d+$", "", name)
+
+    out = []
+    for src, dst, n in SQUARED_RELU:
+        for c in [c for c in cfgs if family(c["name"]) == src][:n]:
+            c = copy.deepcopy(c)
+            c["name"] = dst + c["name"][len(src):]
+            c["flags"] = [f for f in c["flags"] if f != "--swiglu"] + ["--squared-relu"]
+            if "--disable-bias-linear" not in c["flags"]:
+                c["flags"].append("--no-bias-gelu-fusion")
+            out.append(c)
+    return out
+
+
 def main():
     cfgs = (configs() + kernel_configs() + triple_configs(1) + layout_configs() + bf16_configs()
             + covering_configs())
+    cfgs += squared_relu_configs(cfgs)
     names = [c["name"] for c in cfgs]
     assert len(set(names)) == len(names), "duplicate config names"
     write_grid("cpu_compose", doc_description(__doc__), "cpu", 2, COMMON, cfgs, __file__)

@@ -16,9 +16,13 @@ Three bases: Llama-style with multi-head and with grouped-query attention (no dr
 GELU, biases, tied embeddings, dropout 0.1), all bf16; the GPT-style one without dropout on one process, TP 2 + SP
 and PP 2, and in fp16 (its loss scale starting at 4096) on one process and TP 2 x PP 2 x DP 2; three shapes each, with
 micro-batches of one sequence and of two. The campaigns before this one ran the stand-ins on one or two gloo
-processes with the fusions toggled one at a time; these are the combinations a GPU user runs by default.
+processes with the fusions toggled one at a time; these are the combinations a GPU user runs by default. And
+squared-ReLU MLPs (--squared-relu, eager on a GPU too): Nemotron-style (the GQA Llama-style base with LayerNorm and
+squared-ReLU) over one process, TP 2 + SP and PP 2, and GPT-style with biases (--no-bias-gelu-fusion, which
+megatron-core requires with a bias) over one process.
 Run: python fit/grids/make_cpu_gpu_kernels.py
 """
+import copy
 import os
 import sys
 
@@ -124,6 +128,25 @@ CE = {"--cross-entropy-loss-fusion": True}
 CE_LAYOUTS = {"w1": LAYOUTS["w1"], "tp2_sp": LAYOUTS["tp2_sp"], "pp2": LAYOUTS["pp2"], "tp2": NO_SP_LAYOUTS["tp2"]}
 
 
+def squared_relu_configs(cfgs: list) -> list:
+    """Squared-ReLU twins of configs above, their shapes and flags otherwise as they are: the GQA Llama-style base
+    with LayerNorm (Nemotron's) over one process, TP 2 + SP and PP 2, and the GPT-style base over one process."""
+    by = {c["name"]: c for c in cfgs}
+    out = []
+    for src, dst, layouts in (("llama_gqa", "nemo_sqrelu", ("w1", "tp2_sp", "pp2")), ("gpt", "gpt_sqrelu", ("w1",))):
+        for layout in layouts:
+            for s, b, h, *_ in SHAPES:
+                c = copy.deepcopy(by[f"{src}_{layout}_s{s}_b{b}_h{h}"])
+                c["name"] = f"{dst}_{layout}_s{s}_b{b}_h{h}"
+                if src == "llama_gqa":
+                    c["set"]["--normalization"] = "LayerNorm"
+                    c["flags"] = ["--squared-relu" if f == "--swiglu" else f for f in c["flags"]]
+                else:   # with linear biases megatron-core refuses any fused bias-activation but gelu and swiglu
+                    c["flags"] += ["--squared-relu", "--no-bias-gelu-fusion"]
+                out.append(c)
+    return out
+
+
 def configs() -> list:
     out = []
     k = 0
@@ -161,7 +184,7 @@ def configs() -> list:
                             "flags": [key for key, val in flags.items() if val is True],
                             "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
             k += 1
-    return out
+    return out + squared_relu_configs(out)
 
 
 if __name__ == "__main__":
