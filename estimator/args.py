@@ -46,6 +46,17 @@ class TrainingConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # --- multi-latent attention (DeepSeek-V2/V3; megatron-core MLASelfAttention): Megatron-LM's defaults ---
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None     # None: the query is one projection (linear_q_proj), no down/up pair
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128                # the query/key head width without rope ("nope")
+    qk_pos_emb_head_dim: int = 64         # the rotary part of the query/key heads
+    v_head_dim: int = 128
+    rope_type: Optional[str] = None       # rope | yarn (None: yarn under MLA, as MLATransformerConfig)
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -255,6 +266,16 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("add_bias_linear", "false"),
     "--add-qkv-bias": ("add_qkv_bias", "true"),
     "--qk-layernorm": ("qk_layernorm", "true"),
+    "--multi-latent-attention": ("multi_latent_attention", "true"),
+    "--q-lora-rank": ("q_lora_rank", "int"),
+    "--kv-lora-rank": ("kv_lora_rank", "int"),
+    "--qk-head-dim": ("qk_head_dim", "int"),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", "int"),
+    "--v-head-dim": ("v_head_dim", "int"),
+    "--rope-type": ("rope_type", "str"),
+    "--rotary-scaling-factor": ("rotary_scaling_factor", "float"),
+    "--mscale": ("mscale", "float"),
+    "--mscale-all-dim": ("mscale_all_dim", "float"),
     "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
     "--hidden-dropout": ("hidden_dropout", "float"),
     "--attention-dropout": ("attention_dropout", "float"),
@@ -709,11 +730,16 @@ def _padded_vocab_size(cfg: TrainingConfig) -> int:
     return int(math.ceil(vocab / multiple) * multiple)
 
 
+def local_spec(cfg: TrainingConfig) -> bool:
+    """Whether the model is built from megatron-core's local spec (else Transformer Engine's)."""
+    return cfg.transformer_impl == "local" or bool(cfg.spec and cfg.spec[0] == "local")
+
+
 def _attention_kernel(cfg: TrainingConfig) -> str:
-    local_spec = cfg.transformer_impl == "local" or bool(cfg.spec and cfg.spec[0] == "local")
-    if cfg.attention_backend == "local" and not local_spec:
+    local = local_spec(cfg)
+    if cfg.attention_backend == "local" and not local:
         raise ConfigError("--attention-backend local is only supported with --spec local")
-    if local_spec:
+    if local:
         if cfg.use_flash_attn:
             cfg.warnings.append("--use-flash-attn has no effect with the local spec: megatron-core's local "
                                 "DotProductAttention is used")
@@ -773,6 +799,7 @@ def validate(cfg: TrainingConfig) -> None:
         raise ConfigError("--squared-relu with the bias-GeLU fusion on (linear biases and no --no-bias-gelu-fusion): "
                           "megatron-core's TransformerConfig refuses a fused bias-activation other than gelu, swiglu "
                           "or quick-geglu; add --no-bias-gelu-fusion")
+    _validate_mla(cfg)
     if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):
         raise ConfigError("residual connection in fp32 only supported when using fp16 or bf16.")
     if cfg.position_embedding_type in ("mrope", "relative"):
@@ -789,6 +816,29 @@ def validate(cfg: TrainingConfig) -> None:
             raise ConfigError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp")
         if not cfg.overlap_grad_reduce:
             raise ConfigError("Must use --overlap-param-gather with --overlap-grad-reduce")
+
+
+def _validate_mla(cfg: TrainingConfig) -> None:
+    """Multi-latent attention as Megatron-LM and megatron-core accept it."""
+    if cfg.rope_type not in (None, "rope", "yarn"):
+        raise ConfigError(f"--rope-type {cfg.rope_type}: choose from rope, yarn")
+    if not cfg.multi_latent_attention:
+        if cfg.rope_type == "yarn":
+            raise ConfigError('Common attention only support rope_type="rope", but got yarn (--rope-type yarn '
+                              'needs --multi-latent-attention)')
+        return
+    if cfg.group_query_attention:
+        raise ConfigError("Group query attention is mutually exclusive with multi latent attention.")
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
+        raise ConfigError(f"--q-lora-rank must be positive, got {cfg.q_lora_rank}")
+    if cfg.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim ({cfg.qk_pos_emb_head_dim}) must be even (rotary embedding)")
+    if local_spec(cfg):
+        raise ConfigError("--multi-latent-attention needs the Transformer Engine spec: megatron-core 0.16.1's local "
+                          "spec cannot build it (its DotProductAttention takes no k_channels / v_channels)")
 
 
 def _validate_pipeline(cfg: TrainingConfig) -> None:

@@ -27,7 +27,6 @@ REFUSED = {
                                                 "without it",
     "--mtp-num-layers": "multi-token prediction layers (parameters and activations) are not modelled",
     "--mtp-standalone": "multi-token prediction layers are not modelled",
-    "--multi-latent-attention": "multi-latent attention (parameters and activations) is not modelled",
     "--experimental-attention-variant": "experimental attention variants are not modelled",
     "--linear-attention-freq": "linear attention layers are not modelled",
     "--attention-output-gate": "the attention output gate's parameters and activations are not modelled",

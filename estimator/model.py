@@ -134,7 +134,42 @@ def _linear(out_features: int, in_features: int, bias: bool, bias_size: Optional
     return weight + ((bias_size if bias_size is not None else out_features,),) if bias else weight
 
 
+def _mla_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
+    """megatron-core's MLASelfAttention with the Transformer Engine spec (the local spec cannot build it): a query
+    projection (or a down / up pair through q_lora_rank), a key-value down projection to kv_lora_rank plus the
+    shared rotary key, its up projection to every head's key and value, the output projection. The down
+    projections are replicated on every TP rank (TELinear, parallel_mode "duplicated"); with --qk-layernorm the
+    latents' norms are fused into the up projections (TELayerNormColumnParallelLinear). No biases but the
+    output projection's."""
+    t, h, a = cfg.tensor_model_parallel_size, cfg.hidden_size, cfg.num_attention_heads
+    q_head = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+    pre = "layers.*.self_attention."
+
+    ops = [OpParams("layers.*.input_layernorm", layer, _norm(cfg, h))]
+
+    def up(name: str, norm: str, rank: int, out: int) -> None:
+        if cfg.qk_layernorm:    # named as its own module, as the input norm is (module docstring)
+            ops.append(OpParams(pre + norm, layer, _norm(cfg, rank)))
+        ops.append(OpParams(pre + name, layer, _linear(out, rank, False)))
+
+    if cfg.q_lora_rank is None:
+        ops.append(OpParams(pre + "linear_q_proj", layer, _linear(a * q_head // t, h, False)))
+    else:
+        ops.append(OpParams(pre + "linear_q_down_proj", layer, _linear(cfg.q_lora_rank, h, False)))
+        up("linear_q_up_proj", "q_layernorm", cfg.q_lora_rank, a * q_head // t)
+    ops.append(OpParams(pre + "linear_kv_down_proj", layer,
+                        _linear(cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, h, False)))
+    up("linear_kv_up_proj", "kv_layernorm", cfg.kv_lora_rank, a * (cfg.qk_head_dim + cfg.v_head_dim) // t)
+    if cfg.softmax_type == "learnable":
+        ops.append(OpParams(pre + "core_attention", layer, ((a // t,),)))
+    ops.append(OpParams(pre + "linear_proj", layer, _linear(h, a * cfg.v_head_dim // t, cfg.add_bias_linear)))
+    ops.append(OpParams("layers.*.pre_mlp_layernorm", layer, _norm(cfg, h)))
+    return ops
+
+
 def _attention_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
+    if cfg.multi_latent_attention:
+        return _mla_ops(cfg, layer)
     t, h, d = cfg.tensor_model_parallel_size, cfg.hidden_size, cfg.kv_channels
     qkv_out = d * (cfg.num_attention_heads + 2 * cfg.num_query_groups) // t
     ops = [

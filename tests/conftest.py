@@ -23,9 +23,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Transformer Engine's spec fuses a norm into the linear after it (its layer_norm_weight / layer_norm_bias); the
+# estimator names such a norm as the local spec's module (estimator.model).
+_TE_FUSED_NORMS = {"self_attention.linear_qkv": "input_layernorm", "mlp.linear_fc1": "pre_mlp_layernorm",
+                   "self_attention.linear_q_up_proj": "self_attention.q_layernorm",
+                   "self_attention.linear_kv_up_proj": "self_attention.kv_layernorm"}
+
+
 def op_of_param(name: str, chunk_layers: list[int]) -> tuple[str, int | None]:
     """'decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight' -> ('layers.*.mlp.experts.linear_fc1', L)."""
-    module = name.rsplit(".", 1)[0]
+    module, param = name.rsplit(".", 1)
+    for linear, norm in _TE_FUSED_NORMS.items():
+        if param.startswith("layer_norm_") and module.endswith("." + linear):
+            module = module[:-len(linear)] + norm
     module = re.sub(r"^(?:module\.)+", "", module)
     match = _LAYER_PATH.match(module)
     if not match:
@@ -76,6 +86,12 @@ def transformer_config(cfg):
         kwargs.update(softmax_type=cfg.softmax_type)
     if cfg.pipeline_model_parallel_layout is not None:
         kwargs.update(pipeline_model_parallel_layout=cfg.pipeline_model_parallel_layout)
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        kwargs.update(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                      qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+                      v_head_dim=cfg.v_head_dim)
+        return MLATransformerConfig(**kwargs)
     if cfg.num_experts:
         kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
@@ -94,12 +110,18 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = transformer_config(cfg)
+    # MLA only builds with Transformer Engine's spec (megatron-core's local attention takes no k_channels): its
+    # modules' CPU stand-ins (tracer.standins) hold TE's parameters
+    te = cfg.multi_latent_attention
+    if te:
+        from tracer.standins import _install_te_spec
+        _install_te_spec()
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     last_pp = cfg.pipeline_model_parallel_size - 1
     counts: dict = {}
     for vp in range(vpp):
         vp_stage = vp if cfg.virtual_pipeline_model_parallel_size else None
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg.normalization,
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=cfg.normalization,
                                           vp_stage=vp_stage, pp_rank=pp_rank)
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=cfg.padded_vocab_size,

@@ -87,6 +87,38 @@ def test_te_norm_values_gradients_and_saved_tensors(rms):
                     ((18,), torch.float32)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attention_with_mla_head_widths_allocates_only_its_outputs(dtype):
+    """MLA's query / key heads are wider than its value heads (rope part included), which cuDNN's fused attention
+    takes and torch's CPU flash kernel does not: the stand-in computes it outside torch's allocator, so its
+    allocations are the kernel's outputs alone (the output, fp32 logsumexp; the three input gradients)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(2)
+    s, b, heads, dqk, dv = 20, 2, 3, 12, 8
+    q, k, v = torch.randn(s, b, heads, dqk), torch.randn(s, b, heads, dqk), torch.randn(s, b, heads, dv)
+    g = torch.randn(s, b, heads, dv)
+    scale = dqk ** -0.5
+    ins = tuple(t.to(dtype) for t in (q, k, v))
+    ys, gs = grads(lambda q, k, v: standins._FlashAttention.apply(q, k, v, 0.0, scale), ins, g.to(dtype))
+    yr, gr = grads(lambda q, k, v: reference_attention(q, k, v, scale), (q, k, v), g)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(ys.float(), yr, **tol)
+    for a, r in zip(gs, gr):
+        torch.testing.assert_close(a.float(), r, **tol)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in ins)
+    _, kept = saved(lambda: standins._FlashAttention.apply(qq, kk, vv, 0.0, scale))
+    assert kept == [((s, b, heads, dqk), dtype), ((s, b, heads, dqk), dtype), ((s, b, heads, dv), dtype),
+                    ((s, b, heads, dv), dtype), ((b, heads, s), torch.float32)]
+    e = ins[0].element_size()
+    allowed = {s * b * heads * dv * e, b * heads * s * 4, s * b * heads * dqk * e}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        standins._FlashAttention.apply(qq, kk, vv, 0.0, scale).backward(g.to(dtype))
+    sizes = {ev.cpu_memory_usage for ev in prof.events()
+             if ev.cpu_memory_usage > 0 and ev.name.startswith("aten::empty")}
+    assert s * b * heads * dv * e in sizes and sizes <= allowed, sizes - allowed
+
+
 @pytest.mark.parametrize("rms", [False, True])
 def test_cuda_norm_values_gradients_saved_tensors_and_allocations(rms):
     """torch's norms as CUDA runs them (the local spec on a GPU): torch's values and gradients (fp64); the input,

@@ -137,10 +137,11 @@ def megatron_lm_kwargs(cfg, extra: dict) -> dict:
     import torch.nn.functional as F
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    known = {f.name for f in dataclasses.fields(config_class(cfg))}
     kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in known}
+    if cfg.rope_type is None:
+        kw.pop("rope_type", None)    # as Megatron-LM: the config class's default (yarn under MLA, else rope)
     kw.update(
         # dests TrainingConfig names differently, or keeps as text / harness-only flags
         layernorm_epsilon=cfg.norm_epsilon,                 # --norm-epsilon (dest layernorm_epsilon there)
@@ -199,14 +200,18 @@ def _gpu_overrides(cfg) -> dict:
     return out
 
 
+def config_class(cfg):
+    """TransformerConfig, or MLATransformerConfig under --multi-latent-attention (as Megatron-LM picks it)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    return MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig
+
+
 def transformer_config(cfg, extra: dict):
     """The TransformerConfig Megatron-LM builds for the same flags (megatron_lm_kwargs), less the kernels this
     machine cannot run (CPU_OVERRIDES / _gpu_overrides)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     kw = megatron_lm_kwargs(cfg, extra)
     kw.update(CPU_OVERRIDES if on_cpu() else _gpu_overrides(cfg))
-    return TransformerConfig(**kw)
+    return config_class(cfg)(**kw)
 
 
 def _layer_spec(cfg, tconfig, vp_stage, te: bool):
@@ -216,8 +221,10 @@ def _layer_spec(cfg, tconfig, vp_stage, te: bool):
         return specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te,
                                                 normalization=cfg.normalization, vp_stage=vp_stage)
     if te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(None, False, cfg.qk_layernorm)
-    return specs.get_gpt_layer_local_spec(None, False, cfg.qk_layernorm, normalization=cfg.normalization)
+        return specs.get_gpt_layer_with_transformer_engine_spec(None, False, cfg.qk_layernorm,
+                                                                cfg.multi_latent_attention)
+    return specs.get_gpt_layer_local_spec(None, False, cfg.qk_layernorm, cfg.multi_latent_attention,
+                                          normalization=cfg.normalization)
 
 
 def build_model(cfg, tconfig, te: bool | None = None) -> list:

@@ -612,7 +612,15 @@ def _modules():
             ln_out = _te_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.rms)
             return super().forward(ln_out, *args, **kwargs)
 
-    class StandinFlashAttention(DotProductAttention):
+    class StandinAttention(DotProductAttention):
+        """TEDotProductAttention's constructor: MLA passes the query/key and value head widths (k_channels,
+        v_channels), which megatron's local DotProductAttention does not take; the forward works on the tensors'
+        own widths."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    class StandinFlashAttention(StandinAttention):
         """TEDotProductAttention with the flash / cuDNN fused backend (Megatron-LM's default): keeps q, k, v (as
         given, sbhd, no copies; GQA without repeating k and v), the output and fp32 softmax statistics per query
         row and head; no [s, s] tensor. Computed by torch's flash-attention kernel (the real one on a GPU)."""
@@ -625,7 +633,7 @@ def _modules():
             out = out.view(out.shape[0], out.shape[1], -1)
             return make_viewless_tensor(out, requires_grad=out.requires_grad, keep_graph=True)
 
-    class StandinUnfusedAttention(DotProductAttention):
+    class StandinUnfusedAttention(StandinAttention):
         """TEDotProductAttention with TE's unfused backend (UnfusedDotProductAttention; fp32, or
         --attention-backend unfused): megatron's local attention, whose scores live in megatron's global memory
         buffer, but with the scores as TE makes them: an empty [b*a/t, s, s] tensor handed to baddbmm (beta 0),
@@ -654,6 +662,28 @@ def _modules():
             context = torch.bmm(probs.view(b * heads, sq, sk), v.transpose(0, 1))
             context = context.view(b, heads, sq, -1).permute(2, 0, 1, 3).contiguous()
             return context.view(sq, b, -1)
+
+    class StandinLinear(MegatronModule):
+        """TELinear with parallel_mode "duplicated" (MLA's down projections in the TE spec): the whole weight on
+        every TP rank, applied to the rank's own tokens; saves its input, as TE's _Linear does. Under sequence
+        parallelism the weight's gradient is reduced over TP like the norms' (the `sequence_parallel` mark)."""
+
+        def __init__(self, input_size, output_size, *, parallel_mode, config, init_method, bias, skip_bias_add,
+                     skip_weight_param_allocation=False, tp_comm_buffer_name=None, is_expert=False, tp_group=None,
+                     **_):
+            super().__init__(config=config)
+            assert parallel_mode == "duplicated" and not skip_weight_param_allocation, "stand-in: duplicated only"
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            init_method(self.weight)
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+            self.skip_bias_add = skip_bias_add
+            for prm in self.parameters():
+                prm.sequence_parallel = config.sequence_parallel
+
+        def forward(self, x):
+            add = self.bias if not self.skip_bias_add else None
+            out = torch.nn.functional.linear(x, self.weight, add)
+            return out, (self.bias if self.skip_bias_add else None)
 
     class StandinGroupedLinear(MegatronModule):
         """TEGroupedLinear (TE's GroupedLinear behind TEGroupedMLP, --moe-grouped-gemm): one weight per local
@@ -699,7 +729,7 @@ def _modules():
         parallel = "row"
 
     return (StandinNorm, StandinLayerNormColumnParallelLinear, StandinFlashAttention, StandinUnfusedAttention,
-            (StandinColumnParallelGroupedLinear, StandinRowParallelGroupedLinear))
+            (StandinColumnParallelGroupedLinear, StandinRowParallelGroupedLinear), StandinLinear)
 
 
 def _expert_tp_size(pg_collection) -> int:
@@ -759,7 +789,13 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, p, scale):
         qb, kb, vb = (t.detach().permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d] views
         gqa = qb.shape[1] != kb.shape[1]
-        if q.is_cuda:
+        ctx.mla = v.shape[-1] != q.shape[-1]
+        if ctx.mla:
+            # MLA: cuDNN's fused attention takes a value head of another width; torch's flash kernels do not
+            assert not q.is_cuda and not gqa, "stand-in: unequal head widths on CPU, without GQA, only"
+            p = 0.0
+            o, lse = _attention_widths(qb, kb, vb, scale)
+        elif q.is_cuda:
             res = torch.ops.aten._scaled_dot_product_flash_attention(qb, _rep(kb, qb) if gqa else kb,
                                                                      _rep(vb, qb) if gqa else vb, p, True,
                                                                      scale=scale)
@@ -770,7 +806,7 @@ class _FlashAttention(torch.autograd.Function):
             p = 0.0
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qb, _rep(kb, qb) if gqa else kb, _rep(vb, qb) if gqa else vb, p, True, scale=scale)
-        out = torch.empty_like(q)                          # [sq, b, heads, d]
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])     # [sq, b, heads, d of the value]
         out.copy_(o.permute(2, 0, 1, 3))
         del o
         ctx.p, ctx.scale = p, scale
@@ -783,7 +819,9 @@ class _FlashAttention(torch.autograd.Function):
         qb, kb, vb, ob, gb = (t.permute(1, 2, 0, 3) for t in (q, k, v, out, g))
         gqa = qb.shape[1] != kb.shape[1]
         kr, vr = (_rep(kb, qb), _rep(vb, qb)) if gqa else (kb, vb)
-        if q.is_cuda:
+        if ctx.mla:
+            gq, gk, gv = _attention_widths_backward(gb, qb, kb, vb, ob, lse, ctx.scale)
+        elif q.is_cuda:
             seed, offset = ctx.rng
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 gb, qb, kr, vr, ob, lse, None, None, qb.shape[2], kb.shape[2], ctx.p, True, seed, offset,
@@ -796,6 +834,57 @@ class _FlashAttention(torch.autograd.Function):
             gk = gk.unflatten(1, (kb.shape[1], r)).sum(2)
             gv = gv.unflatten(1, (kb.shape[1], r)).sum(2)
         return (gq.permute(2, 0, 1, 3), gk.permute(2, 0, 1, 3), gv.permute(2, 0, 1, 3), None, None)
+
+
+def _np32(t: torch.Tensor):
+    """A 16- or 32-bit CPU tensor's values as a float32 numpy array, made outside torch's allocator (a bf16
+    tensor's bits shifted into float32's upper half), so the stand-in's arithmetic leaves no trace."""
+    import numpy as np
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return (t.view(torch.int16).numpy().astype(np.int32) << 16).view(np.float32)   # a view: no copy
+    return t.numpy().astype(np.float32)
+
+
+def _from_np(a, like_shape, dtype) -> torch.Tensor:
+    """A new tensor of `dtype` holding numpy array `a` (the tensor is the kernel's output; the cast is in place)."""
+    out = torch.empty(like_shape, dtype=dtype)
+    out.copy_(torch.from_numpy(a))
+    return out
+
+
+def _attention_widths(qb, kb, vb, scale) -> tuple:
+    """Causal attention over [b, heads, s, d] views whose value width differs from the query's: (output
+    [b, heads, sq, dv] in the inputs' dtype, fp32 logsumexp [b, heads, sq]), computed in numpy so that, as a
+    fused kernel, it allocates only its outputs."""
+    import numpy as np
+    q, k, v = _np32(qb), _np32(kb), _np32(vb)
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    sq, sk = s.shape[-2:]
+    s[..., np.triu(np.ones((sq, sk), bool), k=sk - sq + 1)] = -np.inf
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bhkd->bhqd", e / total, v)
+    lse = (m + np.log(total))[..., 0]
+    return _from_np(o, o.shape, qb.dtype), _from_np(lse, lse.shape, torch.float32)
+
+
+def _attention_widths_backward(gb, qb, kb, vb, ob, lse, scale) -> tuple:
+    """The gradients of _attention_widths' inputs ([b, heads, s, d] each, the inputs' dtype) from the output's
+    gradient, recomputing the probabilities from the logsumexp as a flash backward does."""
+    import numpy as np
+    q, k, v, o, g, l = (_np32(t) for t in (qb, kb, vb, ob, gb, lse))
+    s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    sq, sk = s.shape[-2:]
+    s[..., np.triu(np.ones((sq, sk), bool), k=sk - sq + 1)] = -np.inf
+    prob = np.exp(s - l[..., None])
+    gv = np.einsum("bhqk,bhqd->bhkd", prob, g)
+    gp = np.einsum("bhqd,bhkd->bhqk", g, v)
+    gs = prob * (gp - (g * o).sum(-1, keepdims=True)) * scale
+    gq = np.einsum("bhqk,bhkd->bhqd", gs, k)
+    gk = np.einsum("bhqk,bhqd->bhkd", gs, q)
+    return tuple(_from_np(a, a.shape, qb.dtype) for a in (gq, gk, gv))
 
 
 def _rep(kv, q):
@@ -812,10 +901,16 @@ def _install_te_spec():
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    norm, ln_linear, flash, unfused, grouped = _modules()
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    norm, ln_linear, flash, unfused, grouped, linear = _modules()
+    mla.TELinear = linear    # MLA picks the down projections' parallel mode by comparing with TE's class
 
     class StandinTESpecProvider(LocalSpecProvider):
         attention = flash
+
+        def linear(self):
+            return linear
 
         def fuse_layernorm_and_linear(self):
             return True
