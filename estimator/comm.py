@@ -205,7 +205,14 @@ def _tp_replicated_elements(cfg: Any, layers: int, last: bool) -> int:
     if _g(cfg, "sequence_parallel", False):
         bias = h if _g(cfg, "add_bias_linear", True) else 0
         n += layers * (2 * norm + 2 * bias) + (norm if last else 0)
-    if _g(cfg, "qk_layernorm", False):
+    if _g(cfg, "multi_latent_attention", False):
+        # the replicated down projections and the latents' norms see each rank's own tokens under SP
+        if _g(cfg, "sequence_parallel", False):
+            q, kv, rope = _g(cfg, "q_lora_rank") or 0, _g(cfg, "kv_lora_rank"), _g(cfg, "qk_pos_emb_head_dim")
+            norms = (q + kv) * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2) \
+                if _g(cfg, "qk_layernorm", False) else 0
+            n += layers * (h * (q + kv + rope) + norms)
+    elif _g(cfg, "qk_layernorm", False):
         d = _g(cfg, "kv_channels") or h // _g(cfg, "num_attention_heads")
         n += layers * 2 * d * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
     return n
@@ -224,6 +231,41 @@ _TP_LAYER_ROWS = {
            ("all-gather", "recomputed layer inputs", "recompute", 2, True),
            ("reduce-scatter", "recomputed layer outputs", "recompute", 2, True)),
 }
+
+
+def _mla_tp_rows(cfg: Any, sp: bool, s: int, b: int, h: int) -> list:
+    """Per layer, the TP collectives of megatron-core's MLASelfAttention with the TE spec and of a dense or MoE
+    layer's MLP side (its fc1 / fc2 pair, as _TP_LAYER_ROWS counts it): (op, what, phase, calls, recomputed, shape).
+    The down projections are replicated (no collective); the up projections are column-parallel on the latents, so
+    their inputs are gathered (SP) and their input gradients reduced, and under SP the shared rotary key is gathered
+    (megatron's gather_from_sequence_parallel_region). Without a query latent the query projection is
+    column-parallel on the hidden state."""
+    q_in = _g(cfg, "q_lora_rank") or h
+    ins = [("query up projection input" if q_in != h else "query projection input", (s, b, q_in)),
+           ("key-value up projection input", (s, b, _g(cfg, "kv_lora_rank")))]
+    mlp, out = ("MLP fc1 input", (s, b, h)), ("layer outputs (attention proj, MLP fc2)", (s, b, h))
+    rows = []
+    for recomputed, phase in ((False, "fwd"), (True, "recompute")):
+        if sp:
+            for what, shape in ins + [mlp]:
+                rows.append(("all-gather", what, phase, 1, recomputed, shape))
+            rows.append(("all-gather", "rotary key part", phase, 1, recomputed, (s, b, _g(cfg, "qk_pos_emb_head_dim"))))
+            rows.append(("reduce-scatter", out[0], phase, 2, recomputed, out[1]))
+        else:
+            rows.append(("all-reduce", out[0], phase, 2, recomputed, out[1]))
+    if sp:
+        for what, shape in ins + [mlp]:
+            rows.append(("all-gather", what + " re-gather for weight grads", "bwd", 1, False, shape))
+            rows.append(("reduce-scatter", what + " grad", "bwd", 1, False, shape))
+        rows.append(("reduce-scatter", "rotary key part grad", "bwd", 1, False,
+                     (s, b, _g(cfg, "qk_pos_emb_head_dim"))))
+        rows.append(("all-gather", "output grads (attention proj, MLP fc2)", "bwd", 2, False, (s, b, h)))
+    else:
+        for what, shape in ins + [mlp]:
+            rows.append(("all-reduce", what + " grad", "bwd", 1, False, shape))
+    return rows
+
+
 # PP rows of one stage: (what it sends, what it receives, phase) for activations forward and their grads backward.
 _PP_ROWS = (("activations to next/prev stage", "activations from prev/next stage", "fwd"),
             ("activation grads to next/prev stage", "activation grads from prev/next stage", "bwd"))
@@ -349,7 +391,13 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
             rec = min(_g(cfg, "recompute_num_layers", 1), L) if _g(cfg, "recompute_method") == "block" else L
         if t > 1 and L:
             ranks, groups, size = member("tp", p)
-            if size > 1:
+            if size > 1 and _g(cfg, "multi_latent_attention", False):
+                for op, what, phase, calls, recomputed, shape in _mla_tp_rows(cfg, sp, s, b, h):
+                    per_mb = calls * (rec if recomputed else L)
+                    if per_mb != 0:
+                        rows.append(Collective("tp", op, what, "tp", size, groups, ranks, shape, pdt,
+                                               _shape_bytes(pdt, shape), per_mb, per_mb * m, phase, recomputed, ""))
+            elif size > 1:
                 for op, what, phase, calls, recomputed in layer_rows:
                     per_mb = calls * (rec if recomputed else L)
                     if per_mb != 0:

@@ -65,6 +65,15 @@ class ComposedCache:
         # keeps it. (A flash kernel's backward is one node that frees all three at its end, as the checkpoint does.)
         self.value_hold = e * s * b * (self.env["a"] + 2 * self.env["g"]) * self.env["d"] / self.env["t"] \
             if self.sw["position"] == "rope" and g_p == a_p and self.sw["attention"] == "unfused" else 0.0
+        if self.sw.get("mla"):
+            # Multi-latent attention: the context has the value heads' width; the query and key are new tensors
+            # (rotary and plain parts concatenated) and the value a view of the key-value up projection's output,
+            # which the unfused backward frees with it (composed: no traced run recomputed MLA's core attention)
+            v = self.env
+            self.context = e * s * b * v["a"] * v["dv"] / v["t"]
+            self.query_copy = 0.0
+            self.value_hold = e * s * b * v["a"] * (v["dq"] + v["dv"]) / v["t"] \
+                if self.sw["attention"] == "unfused" else 0.0
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden

@@ -29,8 +29,11 @@ def modelled(cfg) -> list[str]:
         out.append(f"--moe-router-dtype {cfg.moe_router_dtype}: router logits and scores in that dtype")
     if cfg.fp32_residual_connection and cfg.params_dtype != "fp32":
         out.append("--fp32-residual-connection: the residual stream in fp32 (each layer's two norm inputs)")
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm and not cfg.multi_latent_attention:   # (MLA's latent norms are in its traced programs)
         out.append("--qk-layernorm: each layer keeps the query's and key's share of the QKV output for the norms")
+    if cfg.multi_latent_attention and not cfg.qk_layernorm:
+        out.append("multi-latent attention without --qk-layernorm: estimated with the latents' norms it was traced "
+                   "with (errs high by their saved normalized latents)")
     if cfg.quick_geglu:
         out.append("--quick-geglu: activations from the swiglu formulas")
     if cfg.cross_entropy_loss_fusion:

@@ -44,7 +44,10 @@ INDICATORS = {
     "x_le1": ("le1", True), "x_epx": ("epx", True), "x_presoft": ("pre_softmax", True),
 }
 VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
-             "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L") + tuple(INDICATORS)
+             "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L",
+             # multi-latent attention (0 without it): the query and key-value latent ranks (ql 0 without a query
+             # latent), the query / key head width without and with rotary positions, the value head width
+             "ql", "kl", "dq", "dr", "dv") + tuple(INDICATORS)
 # Per-stage variables (FORMATS 4): parameters the rank's optimizer holds after DP sharding, its largest parameter
 # tensor, the largest 2*p_i + p_(i-1) over consecutive parameters of one optimizer parameter group (a
 # one-tensor-at-a-time Adam step's temporaries: two of the current parameter's size while the previous one's
@@ -54,6 +57,10 @@ STAGE_VARIABLES = ("P", "Pmax", "Pstep", "L")
 # Allowed values per switch; `gqa` is an extension (a > g changes what unfused attention saves).
 SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "attention": ("unfused", "flash"),
+    # multi-latent attention (MLASelfAttention: latent projections, rotary and plain head parts) for the attention
+    "mla": (True, False),
+    # MLA with a query latent (--q-lora-rank: linear_q_down_proj / linear_q_up_proj instead of linear_q_proj)
+    "q_lora": (True, False),
     "sp": (True, False),
     "recompute": ("none", "selective", "full"),
     "activation": ("gelu", "swiglu", "squared_relu"),
@@ -122,7 +129,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
 }
 # The switches that change which ops a layer has (the op structure the fit records): a combination of their values
 # that no run had is a different layer, not a composition of measured parts.
-STRUCTURE_SWITCHES = ("spec", "attention", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
+STRUCTURE_SWITCHES = ("spec", "attention", "mla", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
                       "recompute", "grouped_gemm")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -712,6 +719,10 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
         "etp": _get(cfg, "expert_tensor_parallel_size", t),
         "e": 4 if dtype_of(cfg) == "fp32" else 2,
     }
+    mla = bool(_get(cfg, "multi_latent_attention", False))
+    values.update(ql=_get(cfg, "q_lora_rank", 0) if mla else 0, kl=_get(cfg, "kv_lora_rank", 32) if mla else 0,
+                  dq=_get(cfg, "qk_head_dim", 128) if mla else 0, dr=_get(cfg, "qk_pos_emb_head_dim", 64) if mla else 0,
+                  dv=_get(cfg, "v_head_dim", 128) if mla else 0)
     return _Variables(values, cfg, pp_rank)
 
 
@@ -821,6 +832,8 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
     position = "rope" if pos in ("rope", "mrope", "yarn") else pos if pos in SWITCHES["position"] else "none"
     return {
         "attention": kern["attention"],
+        "mla": bool(_get(cfg, "multi_latent_attention", False)),
+        "q_lora": bool(_get(cfg, "multi_latent_attention", False)) and bool(_get(cfg, "q_lora_rank", None)),
         "sp": bool(_get(cfg, "sequence_parallel", False)),
         "recompute": rg if rg in ("selective", "full") else "none",
         # --quick-geglu is a gated unit too: fc1 output 2 x ffn, the product ffn; its activations are modelled by

@@ -138,14 +138,12 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     measure): no GPU-only runtime buffers (estimator.gpu_runtime)."""
     want_ops = per_op
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
-    if getattr(cfg, "multi_latent_attention", False):
-        # Parsed and its parameters counted (estimator.model, equal to megatron-core's), and the harness traces it
-        # on the TE spec's CPU stand-ins; no set has its programs yet, and composing its attention from standard
-        # attention's ops would be a wrong number, so the estimate stops here.
+    if getattr(cfg, "multi_latent_attention", False) and True not in fset.seen_switch_values().get("mla", ()):
+        # Composing multi-latent attention from standard attention's ops would be a wrong number: a set measures it
+        # (its runs had it) or the estimate stops. (The per-op modelled set has no MLA formulas.)
         from .args import ConfigError
-        raise ConfigError(f"--multi-latent-attention changes memory and cannot be estimated: formula set "
-                          f"{fset.name!r} measured no multi-latent attention run (its parameters are modelled and "
-                          "the profiler traces it; its allocation programs are not fitted yet)")
+        raise ConfigError(f"--multi-latent-attention changes memory and cannot be estimated with formula set "
+                          f"{fset.name!r}: it measured no multi-latent attention run")
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     M_ = cfg.num_microbatches

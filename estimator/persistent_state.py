@@ -26,11 +26,43 @@ def _g(cfg: Any, name: str, default=None):
 
 
 def rotary_cache_bytes(cfg: Any) -> int:
-    """Over the whole --seq-length (measured without context parallelism)."""
-    if _g(cfg, "position_embedding_type", "learned_absolute") not in ("rope", "yarn", "mrope"):
+    """Over the whole --seq-length (measured without context parallelism). (Multi-latent attention builds its own
+    rotary embedding per layer instead: mla_rotary_bytes.)"""
+    if _g(cfg, "position_embedding_type", "learned_absolute") not in ("rope", "yarn", "mrope") or \
+            _g(cfg, "multi_latent_attention", False):
         return 0
     dim = int(F.variables(cfg)["d"] * float(_g(cfg, "rotary_percent", 1.0)))
     return 4 * int(_g(cfg, "seq_length", 0)) * dim
+
+
+# MLATransformerConfig's original_max_position_embeddings (Megatron-LM 0.16.1 has no flag for it): YaRN's cos / sin
+# cache is made at this length when the layer is built.
+YARN_ORIGINAL_POSITIONS = 4096
+# RotaryEmbedding.forward / YarnRotaryEmbedding.forward are one lru_cache(maxsize=32) per class, keyed by the layer's
+# module: at most 32 layers' frequencies stay cached.
+ROTARY_LRU = 32
+
+
+def mla_rotary_bytes(cfg: Any, layers: int) -> int:
+    """What `layers` multi-latent attention layers' own rotary embeddings keep (megatron-core 0.16.1), over the
+    whole --seq-length s with rotary width dr:
+    - YaRN (rope_type yarn, MLA's default) builds a cos and a sin cache of YARN_ORIGINAL_POSITIONS x dr per layer
+      with the model (module buffers: a 16-bit model's Float16Module casts them to its dtype); with the fused RoPE the first forward replaces them by s x dr ones in the activations'
+      dtype (get_cached_cos_sin), without it they stay and the layer's forward keeps its s x dr fp32 frequencies in
+      the lru_cache;
+    - plain RoPE (rope_type rope): the frequencies in the lru_cache only.
+    Measured on CPU: the unfused YaRN layers' setup caches are what a run without them misses (0.5 MiB on two
+    layers of rotary width 8)."""
+    if not _g(cfg, "multi_latent_attention", False) or not layers:
+        return 0
+    s, dr = int(_g(cfg, "seq_length", 0)), int(_g(cfg, "qk_pos_emb_head_dim", 64))
+    cached = min(layers, ROTARY_LRU) * 4 * s * dr
+    if (_g(cfg, "rope_type", None) or "yarn") == "rope":
+        return cached
+    e = int(F.variables(cfg)["e"])
+    if F.kernels(cfg)["fuse_rope"]:
+        return layers * 2 * s * dr * e
+    return layers * 2 * YARN_ORIGINAL_POSITIONS * dr * e + cached
 
 
 def moe_layer_state_bytes(cfg: Any) -> int:
@@ -51,4 +83,5 @@ def stage_bytes(cfg: Any, stage_chunks) -> int:
     kinds = [k for c in stage_chunks for k in c.key[1]]
     if not kinds:
         return 0
-    return rotary_cache_bytes(cfg) + sum(map(bool, kinds)) * moe_layer_state_bytes(cfg)
+    return rotary_cache_bytes(cfg) + sum(map(bool, kinds)) * moe_layer_state_bytes(cfg) + \
+        mla_rotary_bytes(cfg, len(kinds))

@@ -11,7 +11,7 @@ LABEL = "layers.*.self_attention.qk_layernorm"
 
 @layer_transform("qk layernorm", LABEL)
 def layer_row(cfg, env: dict, moe: bool, modelled: bool):
-    if not getattr(cfg, "qk_layernorm", False):
-        return None
+    if not getattr(cfg, "qk_layernorm", False) or getattr(cfg, "multi_latent_attention", False):
+        return None     # (multi-latent attention's latent norms are in its measured programs)
     saved = env["e"] * env["s"] * env["b"] * (env["a"] + env["g"]) * env["d"] / env["t"]
     return (LABEL, saved, saved, 0.0)

@@ -29,6 +29,8 @@ FLAG_HINTS = {
     "Pmax": "the largest parameter tensor (--vocab-size x --hidden-size / TP, or the MLP weights)",
     "Pstep": "the parameter shapes (largest 2*p_i + p_(i-1) within an optimizer parameter group)",
     "L": "--num-layers (per pipeline stage)",
+    "ql": "--q-lora-rank (with --multi-latent-attention)", "kl": "--kv-lora-rank",
+    "dq": "--qk-head-dim", "dr": "--qk-pos-emb-head-dim", "dv": "--v-head-dim",
 }
 
 
@@ -93,18 +95,29 @@ _ONE_EXPERT = ["s*b*k*h*ep*etp/st*E", "s*b*k*fe*ep/st*E", "h*fe/etp"]
 _IN_EXPERT = _ONE_EXPERT + ["s*b*k*ep*etp/st*E", "fe/etp", "h", "1"]
 # A decoder layer's own atoms (residual stream, attention and MLP interiors, weight-gradient sizes).
 _LAYER = _STREAM + ["s*b*f/t", "s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b/st", "1"] + _WEIGHTS
+# Multi-latent attention (0 without it): the latents on the rank's own tokens (the TE spec's replicated down
+# projections; /st under SP) and gathered for the column-parallel up projections, the shared rotary key part
+# gathered over SP, every head's plain and rotary query / key parts and its value (/t), the weights' gradients.
+_MLA_TOKENS = ["s*b*ql/st", "s*b*ql", "s*b*kl/st", "s*b*kl", "s*b*dr/st", "s*b*dr",
+               "s*b*a*dq/t", "s*b*a*dr/t", "s*b*a*dv/t", "s*b*a/t", "s*b/st", "s*b"]
+_MLA_WEIGHTS = ["h*ql", "h*kl", "h*dr", "ql*a*dq/t", "ql*a*dr/t", "kl*a*dq/t", "kl*a*dv/t", "h*a*dq/t",
+                "h*a*dr/t", "h*a*dv/t", "ql", "kl"]
+_MLA = _STREAM + _MLA_TOKENS + _MLA_WEIGHTS + ["1"]
 FAMILIES: dict[str, list[str]] = {
+    "mla": _MLA,
     # s*b*d, s*d: under rope, the backward of the rotated query and key frees tensors of one head's width
-    "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "s*b*d", "s*d", "1"],
+    "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "s*b*d", "s*d", "1",
+                       "s*b*a*dq/t", "s*b*a*dr/t", "s*b*a*dv/t"],
     # s*b/st: Transformer Engine's LayerNormLinear (the TE spec's linear_qkv and linear_fc1) keeps its fused
     # norm's fp32 statistics per local token
     "linear_qkv": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*b/st", "1"],
-    "linear_proj": _STREAM + ["s*b*a*d/t", "1"],
+    "linear_proj": _STREAM + ["s*b*a*d/t", "1", "s*b*a*dv/t", "h*a*dv/t"],
     "linear_fc1": _STREAM + ["s*b*f/t", "s*b/st", "1"],
     "linear_fc2": _STREAM + ["s*b*f/t", "1"],
     "mlp": ["s*b*f/t", "s*b*h/st", "s*b*h", "1"] + _MOE,
     "layernorm": ["s*b*h/st", "s*b/st", "s*b*a*d/t", "s*b*g*d/t", "s*b*a/t", "s*b*g/t", "1"],
-    "self_attention": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*d", "1"],
+    "self_attention": _STREAM + ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*d", "1"] + _MLA_TOKENS
+    + ["s*dr"],
     "layer": _LAYER + _MOE,
     # The layer basis for parts of dense layers only (the MoE atoms are 0 there) and of MoE layers only.
     "layer_dense": _LAYER,
@@ -134,9 +147,15 @@ FAMILIES: dict[str, list[str]] = {
 }
 
 
+MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+               "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
+
+
 def family(op: str) -> str:
     """Which basis an op name (FORMATS 2.3 normalised) uses."""
     last = op.rsplit(".", 1)[-1]
+    if last in MLA_LINEARS:
+        return "mla"
     if ".local_experts.*" in op:   # before the linear families: an expert's linears see only its tokens
         return "local_expert"
     if op in ("optim", "optimizer") or op.startswith("optim"):

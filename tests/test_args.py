@@ -489,10 +489,17 @@ def test_quick_geglu_is_a_gated_mlp():
         parse("--quick-geglu --swiglu")
 
 
-def test_multi_latent_attention_estimate_stops_with_one_line():
-    # parsed and its parameters counted, but no shipped set has traced its activations: never a composed guess
+def test_multi_latent_attention_needs_a_set_that_measured_it():
+    # a set whose runs never had MLA (the H100 set; the modelled one) stops in one line: composing it from standard
+    # attention's ops would be a wrong number. The default set measured it: its MLA labels answer.
     from estimator.cli import build_report
-    with pytest.raises(ConfigError, match="measured no multi-latent attention run") as err:
-        build_report(shlex.split("--preset llama2_7b --micro-batch-size 1 --multi-latent-attention "
-                                 "--q-lora-rank 64"), reserved=False)
-    assert "\n" not in str(err.value)
+    argv = shlex.split("--preset llama2_7b --micro-batch-size 1 --multi-latent-attention --q-lora-rank 64 "
+                       "--qk-layernorm")
+    for name in ("gpu_h100", "modelled"):
+        with pytest.raises(ConfigError, match="measured no multi-latent attention run") as err:
+            build_report(argv + ["--formulas", name], reserved=False)
+        assert "\n" not in str(err.value)
+    report = build_report(argv, reserved=False)
+    ops = report.estimate.ranks[0].per_op
+    assert ops["layers.*.self_attention.linear_q_up_proj"]["saved"] > 0 and "layers.*.self_attention.linear_qkv" \
+        not in ops

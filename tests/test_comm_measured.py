@@ -20,6 +20,7 @@ ITERATIONS = 2
 # Small, but every dimension distinct so a wrong shape cannot match by accident.
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
              micro_batch_size=2, vocab_size=250, make_vocab_size_divisible_by=128)
+MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=4, v_head_dim=8)
 
 
 # ------------------------------------------------------------------------------------------------ worker side
@@ -113,13 +114,24 @@ def _worker(case: dict, out: str):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     m = MODEL
-    config = TransformerConfig(
+    kw = dict(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=case["sequence_parallel"],
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    if case["mla"]:
+        # multi-latent attention builds only with the TE spec: its CPU stand-ins (tracer.standins)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        from tracer.standins import _install_te_spec
+        _install_te_spec()
+        # (Megatron-LM passes its --normalization default, LayerNorm; MLATransformerConfig alone would take RMSNorm)
+        config = MLATransformerConfig(**kw, **MLA, qk_layernorm=True, apply_rope_fusion=False, normalization="LayerNorm")
+        spec = get_gpt_layer_with_transformer_engine_spec(None, False, True, True)
+    else:
+        config, spec = TransformerConfig(**kw), get_gpt_layer_local_spec()
     padded_vocab = case["padded_vocab_size"]
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab,
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
                      max_sequence_length=m["max_position_embeddings"], pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
                      position_embedding_type=case["position_embedding_type"])
@@ -197,19 +209,23 @@ def _run_case(case: dict, tmp_path: Path) -> list:
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
 
-def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False):
+def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False, mla=False):
     from estimator.args import parse_args
 
     argv = [f"--nproc_per_node={tp * pp * dp}", f"--tensor-model-parallel-size={tp}",
-            f"--pipeline-model-parallel-size={pp}", "--transformer-impl=local",
+            f"--pipeline-model-parallel-size={pp}",
+            "--transformer-impl=" + ("transformer_engine" if mla else "local"),
             f"--global-batch-size={MODEL['micro_batch_size'] * dp * microbatches}"]
     argv += [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     argv += ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * dist_opt
-    argv += ["--hidden-dropout=0", "--attention-dropout=0"] + ["--position-embedding-type=rope"] * rope
+    argv += ["--hidden-dropout=0", "--attention-dropout=0"] + ["--position-embedding-type=rope"] * (rope or mla)
+    if mla:
+        argv += ["--multi-latent-attention", "--qk-layernorm"] + [f"--{k.replace('_', '-')}={v}" for k, v in MLA.items()]
     cfg = parse_args(argv)
     case = {k: getattr(cfg, k) for k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "sequence_parallel", "use_distributed_optimizer", "num_microbatches",
                                          "padded_vocab_size", "position_embedding_type")}
+    case["mla"] = mla
     return cfg, case
 
 
@@ -239,6 +255,10 @@ CASES = {
     "pp2": dict(pp=2, microbatches=3),
     "dp2_distopt": dict(dp=2, dist_opt=True),
     "dp2": dict(dp=2),
+    # multi-latent attention: the latents gathered for the up projections, the rotary key part, replicated down
+    # projections' gradients reduced over TP under SP
+    "mla_tp2_sp": dict(tp=2, sp=True, mla=True),
+    "mla_tp2": dict(tp=2, mla=True),
 }
 
 

@@ -211,6 +211,20 @@ def test_estimate_from_the_shipped_program_set_matches_the_run(name):
         assert -0.002 <= (p - m) / m <= 0.002, (name, p, m)
 
 
+@pytest.mark.parametrize("name", ["ho_mla_w1_noq_s112_b2", "ho_mlarope_tp4_sp_s128_b1", "ho_mla_pp2_l4_s80_b3"])
+def test_multi_latent_attention_runs_the_fit_never_saw(name):
+    """Multi-latent attention on the GPU kernels' stand-ins, shapes and layouts outside the campaign
+    (fit/grids/make_cpu_mla_heldout.py): within 1% of the tracing allocator's peak, the layers' own rotary caches
+    (estimator.persistent_state.mla_rotary_bytes) included (without them the runs with unfused YaRN read 3-14%
+    under)."""
+    from estimator import formulas as F
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from packed_runs import rank_peaks
+    predicted, measured, _ = rank_peaks(os.path.join(ROOT, "fit", "traces", "cpu_mla_heldout", name), F.load(SHIPPED))
+    for p, m in zip(predicted, measured):
+        assert -0.01 <= (p - m) / m <= 0.01, (name, p, m)
+
+
 def test_first_layer_programs_free_what_only_it_holds():
     """The model's first layer frees more than the layers after it (a bf16 RMSNorm model): the set keeps its own
     programs for it, and without them the walk would free too little there and too much after every layer."""

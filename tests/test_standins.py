@@ -664,3 +664,57 @@ def test_fused_activation_programs_are_the_h100_ones(tmp_path, model):
         got = without_grad_casts([(e.op, e.size, e.ref) for e in run.programs[(phase, label)].events()])
         assert segment(got) == segment(want), phase
         assert sum(op == "+" for op, _, _ in got) == (1 if phase == "fwd" or model == "llama" else 4)
+
+
+def test_mla_fused_rope_kernels_rotate_as_the_triton_kernels_and_allocate_as_megatron():
+    """MLA's fused YaRN RoPE: megatron's own autograd functions with the stand-in kernels. The query is rotated in
+    place (its rotary part: even / odd elements into left / right halves by each token's cos and sin) and the key is
+    the plain part and the rotated shared part per head; backward is the rotation's transpose (checked as
+    <J x, y> = <x, J^T y>); the only allocations are megatron's own (the key, the value; their gradients)."""
+    pytest.importorskip("megatron.core")
+    from torch.profiler import ProfilerActivity, profile
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as mla_rope
+
+    standins._install_mla_rope()
+    torch.manual_seed(3)
+    s, b, heads, dq, dr, dv = 6, 2, 3, 4, 8, 5
+    angles = torch.rand(s, dr // 2) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1).view(s, 1, 1, dr).contiguous()
+    sin = torch.cat([angles.sin(), angles.sin()], -1).view(s, 1, 1, dr).contiguous()
+
+    def rotate(x):   # the kernels' arithmetic on [s, b, ..., dr]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, sn = angles.cos().view(s, 1, 1, -1), angles.sin().view(s, 1, 1, -1)
+        return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], -1)
+
+    q = torch.randn(s, b, heads, dq + dr)
+    out = mla_rope.fused_apply_mla_rope_for_q(q.clone(), cos, sin, dq, dr)
+    torch.testing.assert_close(out, torch.cat([q[..., :dq], rotate(q[..., dq:])], -1))
+    kv, pe = torch.randn(s, b, heads, dq + dv), torch.randn(s, b, 1, dr)
+    key, value = mla_rope.fused_apply_mla_rope_for_kv(kv, pe, cos, sin, dr, dq, dv)
+    torch.testing.assert_close(key, torch.cat([kv[..., :dq], rotate(pe).expand(s, b, heads, dr)], -1))
+    torch.testing.assert_close(value, kv[..., dq:])
+    # backward: the adjoint of the forward map
+    x = (torch.randn(s, b, heads, dq + dr, dtype=torch.float64).float().requires_grad_(True),)
+    y = torch.randn(s, b, heads, dq + dr)
+    fx = mla_rope.fused_apply_mla_rope_for_q(x[0].clone(), cos, sin, dq, dr)
+    (gx,) = torch.autograd.grad(fx, x, y.clone())     # (the kernel rotates the gradient in place)
+    torch.testing.assert_close((fx * y).sum(), (x[0] * gx).sum(), rtol=1e-5, atol=1e-5)
+    kvx, pex = kv.clone().requires_grad_(True), pe.clone().requires_grad_(True)
+    k2, v2 = mla_rope.fused_apply_mla_rope_for_kv(kvx, pex, cos, sin, dr, dq, dv)
+    yk, yv = torch.randn_like(k2), torch.randn_like(v2)
+    gkv, gpe = torch.autograd.grad((k2, v2), (kvx, pex), (yk, yv))
+    torch.testing.assert_close((k2 * yk).sum() + (v2 * yv).sum(), (kvx * gkv).sum() + (pex * gpe).sum(),
+                               rtol=1e-5, atol=1e-5)
+    # allocations: megatron's new_empty outputs only (bf16)
+    kvb, peb = kv.to(torch.bfloat16).requires_grad_(True), pe.to(torch.bfloat16).requires_grad_(True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kb, vb = mla_rope.fused_apply_mla_rope_for_kv(kvb, peb, cos, sin, dr, dq, dv)
+        torch.autograd.grad((kb, vb), (kvb, peb), (torch.ones_like(kb), torch.ones_like(vb)))
+    sizes = sorted(ev.cpu_memory_usage for ev in prof.events()     # the allocating calls themselves
+                   if ev.cpu_memory_usage > 0 and ev.name in ("aten::empty", "aten::empty_strided"))
+    t = s * b
+    expected = sorted([t * heads * (dq + dr) * 2, t * heads * dv * 2,            # key, value
+                       t * heads * (dq + dr) * 2, t * heads * dv * 2,            # their ones_like gradients
+                       t * heads * (dq + dv) * 2, t * dr * 2])                   # d_kv, d_emb
+    assert sizes == expected, sizes

@@ -322,6 +322,98 @@ def _install_rope():
     rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
 
 
+# MLA's fused YaRN RoPE (megatron.core.fusions.fused_mla_yarn_rope_apply): megatron's own autograd functions
+# allocate what the GPU run allocates (the query rotated in place; the key and value as new tensors, their
+# gradients likewise) and call Triton kernels, which a CPU lacks. These stand in for the four kernels, in numpy on
+# the tensors' own memory (no allocation), with the kernels' arithmetic: the rotary part's even / odd elements
+# (x1, x2) become the left / right halves x1*cos - x2*sin, x2*cos + x1*sin, per token position (sbhd: row // b).
+def _rope_halves(x, cos, sin, pos):
+    """x [..., emb] (float32 numpy), cos / sin [max_seq, emb], pos the rows' positions -> the rotated halves."""
+    import numpy as np
+    h = x.shape[-1] // 2
+    shape = (len(pos),) + (1,) * (x.ndim - 2) + (h,)
+    cl, cr = cos[pos, :h].reshape(shape), cos[pos, h:].reshape(shape)
+    sl, sr = sin[pos, :h].reshape(shape), sin[pos, h:].reshape(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * cl - x2 * sl, x2 * cr + x1 * sr], axis=-1)
+
+
+def _rope_halves_back(g, cos, sin, pos):
+    """The transpose of _rope_halves: the gradient of x (even / odd elements) from the halves' gradient."""
+    import numpy as np
+    h = g.shape[-1] // 2
+    shape = (len(pos),) + (1,) * (g.ndim - 2) + (h,)
+    cl, cr = cos[pos, :h].reshape(shape), cos[pos, h:].reshape(shape)
+    sl, sr = sin[pos, :h].reshape(shape), sin[pos, h:].reshape(shape)
+    gl, gr = g[..., :h], g[..., h:]
+    out = np.empty(g.shape, np.float32)
+    out[..., 0::2] = gl * cl + gr * sr
+    out[..., 1::2] = gr * cr - gl * sl
+    return out
+
+
+def _put(dst: torch.Tensor, values) -> None:
+    """Write a float32 numpy array into a tensor (view) of any float dtype, in place."""
+    dst.copy_(torch.from_numpy(values))
+
+
+class _Kernel:
+    """A Triton kernel's launch syntax, kernel[grid](*args), for a Python function."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _mla_positions(total: int, batch, cp_size) -> "object":
+    import numpy as np
+    assert batch is not None and cp_size == 1, "stand-in: MLA fused RoPE in sbhd layout without CP only"
+    return np.arange(total) // batch
+
+
+def _mla_q_fwd(q, cos, sin, qk_head_dim, emb_dim, nheads, batch, seq_num, cu, s0, s1, cp_rank, cp_size, **_):
+    pe = q[..., qk_head_dim:]
+    _put(pe, _rope_halves(_np32(pe), _np32(cos).reshape(-1, emb_dim), _np32(sin).reshape(-1, emb_dim),
+                          _mla_positions(q.shape[0], batch, cp_size)))
+
+
+def _mla_q_bwd(g, cos, sin, qk_head_dim, emb_dim, nheads, batch, seq_num, cu, s0, s1, cp_rank, cp_size, **_):
+    pe = g[..., qk_head_dim:]
+    _put(pe, _rope_halves_back(_np32(pe), _np32(cos).reshape(-1, emb_dim), _np32(sin).reshape(-1, emb_dim),
+                               _mla_positions(g.shape[0], batch, cp_size)))
+
+
+def _mla_kv_fwd(kv, k_pos_emb, o_key, o_value, cos, sin, emb_dim, k_dim, v_dim, nheads, batch, seq_num, cu,
+                *rest, **_):
+    cp_size = rest[-1]
+    o_key[..., :k_dim].copy_(kv[..., :k_dim])
+    o_value.copy_(kv[..., k_dim:])
+    rot = _rope_halves(_np32(k_pos_emb), _np32(cos).reshape(-1, emb_dim), _np32(sin).reshape(-1, emb_dim),
+                       _mla_positions(kv.shape[0], batch, cp_size))
+    _put(o_key[..., k_dim:], rot[:, None, :].repeat(nheads, axis=1))
+
+
+def _mla_kv_bwd(dk, dv, d_kv, d_emb, cos, sin, emb_dim, k_dim, v_dim, nheads, batch, seq_num, cu, *rest, **_):
+    cp_size = rest[-1]
+    d_kv[..., :k_dim].copy_(dk[..., :k_dim])
+    d_kv[..., k_dim:].copy_(dv)
+    g = _np32(dk[..., k_dim:]).sum(axis=1)        # the shared rotary key's gradient, summed over heads
+    back = _rope_halves_back(g, _np32(cos).reshape(-1, emb_dim), _np32(sin).reshape(-1, emb_dim),
+                             _mla_positions(dk.shape[0], batch, cp_size))
+    _put(d_emb.view(-1, emb_dim), back)
+
+
+def _install_mla_rope():
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as mla_rope
+    mla_rope.rotary_fwd_q_kernel = _Kernel(_mla_q_fwd)
+    mla_rope.rotary_bwd_q_kernel = _Kernel(_mla_q_bwd)
+    mla_rope.rotary_fwd_kv_kernel = _Kernel(_mla_kv_fwd)
+    mla_rope.rotary_bwd_kv_kernel = _Kernel(_mla_kv_bwd)
+    mla_rope.triton.cdiv = lambda a, b: -(-a // b)
+
+
 # ---------------------------------------------------------------------------------------------- torch's norms
 # torch's own functions, kept before _install_torch_norms replaces them (the TE norm stand-in's backward uses them)
 _TORCH_LAYER_NORM = torch.nn.functional.layer_norm
@@ -975,6 +1067,8 @@ def install(tconfig, cfg, on_gpu: bool = False) -> dict:
         _install_fused_cross_entropy()
     if k["fuse_rope"] and not (on_gpu and rope_kernel_present()):
         _install_rope()
+    if k["fuse_rope"] and getattr(cfg, "multi_latent_attention", False) and not (on_gpu and _importable("triton")):
+        _install_mla_rope()
     tconfig.apply_rope_fusion = k["fuse_rope"]
     if k["spec"] == "te" and not (on_gpu and _importable("transformer_engine")):
         provider, unfused = _install_te_spec()

@@ -19,7 +19,10 @@ micro-batches of one sequence and of two. The campaigns before this one ran the 
 processes with the fusions toggled one at a time; these are the combinations a GPU user runs by default. And
 squared-ReLU MLPs (--squared-relu, eager on a GPU too): Nemotron-style (the GQA Llama-style base with LayerNorm and
 squared-ReLU) over one process, TP 2 + SP and PP 2, and GPT-style with biases (--no-bias-gelu-fusion, which
-megatron-core requires with a bias) over one process.
+megatron-core requires with a bias) over one process. And multi-latent attention (DeepSeek-style, with its latent
+norms) with unfused RoPE over one process, TP 2 with and without SP and PP 2, five shapes each (two without a query
+latent), and in fp32 (TE's unfused attention) over one process; and with MLA's fused RoPE over one process, TP 2 +
+SP and PP 2; and DeepSeek-style MoE layers with MLA over one process and TP 2 + SP.
 Run: python fit/grids/make_cpu_gpu_kernels.py
 """
 import copy
@@ -147,6 +150,50 @@ def squared_relu_configs(cfgs: list) -> list:
     return out
 
 
+# Multi-latent attention (DeepSeek-V2/V3's): the Llama-style base with --multi-latent-attention and the latents'
+# norms (--qk-layernorm, as DeepSeek's configs), with unfused RoPE (--no-rope-fusion) and with MLA's fused YaRN
+# RoPE (Megatron-LM's default; its Triton kernels on CPU stand-ins).
+# Shapes vary every width on its own: (seq, micro batch, hidden, heads, q rank (0: no query latent), kv rank, plain
+# head, rotary head, value head, ffn, vocab).
+MLA = {**LLAMA, "--multi-latent-attention": True, "--qk-layernorm": True, "--no-rope-fusion": True}
+MLA_SHAPES = [(64, 2, 128, 8, 48, 32, 16, 8, 16, 352, 512), (96, 1, 96, 4, 40, 24, 24, 16, 12, 256, 384),
+              (48, 2, 64, 4, 32, 48, 8, 8, 24, 320, 448), (32, 1, 128, 8, 0, 16, 16, 4, 8, 352, 512),
+              (64, 2, 96, 4, 0, 40, 12, 8, 20, 256, 384), (48, 2, 160, 4, 0, 24, 20, 8, 12, 320, 448),
+              (80, 1, 64, 8, 0, 32, 8, 4, 16, 256, 384)]
+# MLA with MoE layers (DeepSeek's): the first three shapes, 4 experts, top 2, over one process and TP 2 + SP.
+MLA_MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 64}
+MLA_LAYOUTS = {"w1": LAYOUTS["w1"], "tp2_sp": LAYOUTS["tp2_sp"], "tp2": NO_SP_LAYOUTS["tp2"], "pp2": LAYOUTS["pp2"]}
+
+
+def mla_configs() -> list:
+    """Multi-latent attention with unfused RoPE over one process, TP 2 with and without SP and PP 2 (both stages),
+    every MLA_SHAPES shape on each, and in fp32 with TE's unfused attention backend (its choice in fp32) over one
+    process; with the fused RoPE over one process, TP 2 + SP and PP 2; and with MoE layers (the first three shapes)
+    over one process and TP 2 + SP."""
+    out = []
+    fused = {k: v for k, v in MLA.items() if k != "--no-rope-fusion"}
+    plan = [(f"mla_{name}", MLA, lay) for name, lay in MLA_LAYOUTS.items()] + \
+        [("mla_fp32_w1", {k: v for k, v in MLA.items() if k != "--bf16"}, LAYOUTS["w1"])] + \
+        [(f"mla_rope_{name}", fused, MLA_LAYOUTS[name]) for name in ("w1", "tp2_sp", "pp2")] + \
+        [(f"mla_moe_{name}", {**fused, **MLA_MOE}, MLA_LAYOUTS[name]) for name in ("w1", "tp2_sp")]
+    for base, base_flags, (world, ranks, lflags) in plan:
+        flags = {**base_flags, **lflags}
+        tp = flags.get("--tensor-model-parallel-size", 1)
+        pp = flags.get("--pipeline-model-parallel-size", 1)
+        dp = world // (tp * pp)
+        for s, b, h, a, ql, kl, dq, dr, dv, f, v in MLA_SHAPES[:3] if "--num-experts" in flags else MLA_SHAPES:
+            sett = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
+                    "--kv-lora-rank": kl, "--qk-head-dim": dq, "--qk-pos-emb-head-dim": dr, "--v-head-dim": dv,
+                    "--ffn-hidden-size": f, "--vocab-size": v, "--num-layers": 2,
+                    "--global-batch-size": b * dp * (2 * pp if pp > 1 else 1),
+                    **({"--q-lora-rank": ql} if ql else {}),
+                    **{key: val for key, val in flags.items() if val is not True}}
+            out.append({"name": f"{base}_s{s}_b{b}_h{h}_q{ql}", "set": sett,
+                        "flags": [key for key, val in flags.items() if val is True],
+                        "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
+    return out
+
+
 def configs() -> list:
     out = []
     k = 0
@@ -184,7 +231,7 @@ def configs() -> list:
                             "flags": [key for key, val in flags.items() if val is True],
                             "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
             k += 1
-    return out + squared_relu_configs(out)
+    return out + squared_relu_configs(out) + mla_configs()
 
 
 if __name__ == "__main__":

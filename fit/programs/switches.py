@@ -9,7 +9,7 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 
 # Switches most likely to change what an op allocates come first, so ties between equally good splits prefer them;
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
-ORDER = ("spec", "attention", "recompute", "moe", "moe_comm", "activation", "position", "normalization",
+ORDER = ("spec", "attention", "mla", "q_lora", "recompute", "moe", "moe_comm", "activation", "position", "normalization",
          "torch_norm", "gqa", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias", "tied",
          "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore",
          "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
@@ -54,7 +54,7 @@ RELEVANT = {
     "step@loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "normalization", "position",
                   "torch_norm"),
     "embedding@": _EMBEDDING,
-    "layers.*.self_attention": _LAYER_PART + ("attention", "position", "gqa", "qcopy", "qcore", "dropout",
+    "layers.*.self_attention": _LAYER_PART + ("attention", "mla", "q_lora", "position", "gqa", "qcopy", "qcore", "dropout",
                                               "dropout_mask", "softmax_fp32", "bias", "fuse_softmax", "fuse_rope",
                                               "scores"),
     # (and dropout: the bias-dropout-add after the MLP hands its last linear's backward a gradient of its own under
@@ -93,13 +93,19 @@ def parts(runs: list, keys: tuple) -> dict:
     return out
 
 
+# Beyond the structure switches the estimator checks in pairs (STRUCTURE_SWITCHES), what changes an op's children:
+# multi-latent attention's query latent (a down / up pair or one projection) and, with MLA, the fused RoPE (the
+# unfused path calls the layer's rotary embedding module, the fused one reads its cache).
+STRUCTURE_KEYS = STRUCTURE_SWITCHES + ("q_lora", "fuse_rope")
+
+
 def _structure_keys(have: list, op: str) -> tuple:
-    """The fewest switches (singles, then pairs, then triples, in STRUCTURE_SWITCHES order) whose values fix op's
+    """The fewest switches (singles, then pairs, then triples, in STRUCTURE_KEYS order) whose values fix op's
     children in every run; else every switch that varies. Fewest, so that an entry covers every combination of the
     switches that do not change the op (a layer's children depend on the layer spec, not on MoE or recompute)."""
     def uniform(keys):
         return all(len({tuple(r.children[op]) for r in rs}) == 1 for rs in parts(have, keys).values())
-    varying = [k for k in STRUCTURE_SWITCHES if len({r.switches.get(k) for r in have}) > 1]
+    varying = [k for k in STRUCTURE_KEYS if len({r.switches.get(k) for r in have}) > 1]
     for n in range(4):
         for keys in itertools.combinations(varying, n):
             if uniform(keys):
