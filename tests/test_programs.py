@@ -211,7 +211,8 @@ def test_estimate_from_the_shipped_program_set_matches_the_run(name):
         assert -0.002 <= (p - m) / m <= 0.002, (name, p, m)
 
 
-@pytest.mark.parametrize("name", ["ho_mla_w1_noq_s112_b2", "ho_mlarope_tp4_sp_s128_b1", "ho_mla_pp2_l4_s80_b3"])
+@pytest.mark.parametrize("name", ["ho_mla_w1_noq_s112_b2", "ho_mlarope_tp4_sp_s128_b1", "ho_mla_pp2_l4_s80_b3",
+                                  "ho_mlarope_moe_gg_tp2_sp_ep4_s128"])
 def test_multi_latent_attention_runs_the_fit_never_saw(name):
     """Multi-latent attention on the GPU kernels' stand-ins, shapes and layouts outside the campaign
     (fit/grids/make_cpu_mla_heldout.py): within 1% of the tracing allocator's peak, the layers' own rotary caches

@@ -22,7 +22,8 @@ squared-ReLU) over one process, TP 2 + SP and PP 2, and GPT-style with biases (-
 megatron-core requires with a bias) over one process. And multi-latent attention (DeepSeek-style, with its latent
 norms) with unfused RoPE over one process, TP 2 with and without SP and PP 2, five shapes each (two without a query
 latent), and in fp32 (TE's unfused attention) over one process; and with MLA's fused RoPE over one process, TP 2 +
-SP and PP 2; and DeepSeek-style MoE layers with MLA over one process and TP 2 + SP.
+SP and PP 2; and DeepSeek-style MoE layers with MLA over one process and TP 2 + SP, and as grouped GEMMs with the
+all-to-all dispatcher over EP 4, alone and with TP 2 + SP.
 Run: python fit/grids/make_cpu_gpu_kernels.py
 """
 import copy
@@ -162,6 +163,10 @@ MLA_SHAPES = [(64, 2, 128, 8, 48, 32, 16, 8, 16, 352, 512), (96, 1, 96, 4, 40, 2
               (80, 1, 64, 8, 0, 32, 8, 4, 16, 256, 384)]
 # MLA with MoE layers (DeepSeek's): the first three shapes, 4 experts, top 2, over one process and TP 2 + SP.
 MLA_MOE = {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 64}
+# and as DeepSeek trains them: Transformer Engine's grouped GEMM with the all-to-all dispatcher over EP 4, alone and
+# with TP 2 + SP (8 experts, top 2)
+MLA_MOE_GG_LAYOUTS = {name: (world, ranks, {**flags, **GG}) for name, (world, ranks, flags) in MOE_LAYOUTS.items()
+                      if name in ("ep4_a2a", "tp2_sp_ep4_a2a")}
 MLA_LAYOUTS = {"w1": LAYOUTS["w1"], "tp2_sp": LAYOUTS["tp2_sp"], "tp2": NO_SP_LAYOUTS["tp2"], "pp2": LAYOUTS["pp2"]}
 
 
@@ -169,13 +174,15 @@ def mla_configs() -> list:
     """Multi-latent attention with unfused RoPE over one process, TP 2 with and without SP and PP 2 (both stages),
     every MLA_SHAPES shape on each, and in fp32 with TE's unfused attention backend (its choice in fp32) over one
     process; with the fused RoPE over one process, TP 2 + SP and PP 2; and with MoE layers (the first three shapes)
-    over one process and TP 2 + SP."""
+    over one process and TP 2 + SP, and as grouped GEMMs with the all-to-all dispatcher over EP 4, alone and with
+    TP 2 + SP."""
     out = []
     fused = {k: v for k, v in MLA.items() if k != "--no-rope-fusion"}
     plan = [(f"mla_{name}", MLA, lay) for name, lay in MLA_LAYOUTS.items()] + \
         [("mla_fp32_w1", {k: v for k, v in MLA.items() if k != "--bf16"}, LAYOUTS["w1"])] + \
         [(f"mla_rope_{name}", fused, MLA_LAYOUTS[name]) for name in ("w1", "tp2_sp", "pp2")] + \
-        [(f"mla_moe_{name}", {**fused, **MLA_MOE}, MLA_LAYOUTS[name]) for name in ("w1", "tp2_sp")]
+        [(f"mla_moe_{name}", {**fused, **MLA_MOE}, MLA_LAYOUTS[name]) for name in ("w1", "tp2_sp")] + \
+        [(f"mla_moe_{name}", fused, lay) for name, lay in MLA_MOE_GG_LAYOUTS.items()]
     for base, base_flags, (world, ranks, lflags) in plan:
         flags = {**base_flags, **lflags}
         tp = flags.get("--tensor-model-parallel-size", 1)

@@ -2,8 +2,9 @@
 kernels' CPU stand-ins (fake process group), to judge the composition (benchmarks/packed_runs.py
 fit/traces/cpu_mla_heldout): shapes outside the campaign's (a DeepSeek-like query rank three times the key-value
 rank, wider heads, a longer sequence, micro-batches of three), TP 4 + SP, PP 2 over four layers, no query latent,
-selective recompute of core attention (never traced with MLA: composed from the plain layer) and an MoE layer (no
-MLA run of the campaign has one); each with MLA's fused RoPE (the default) and with --no-rope-fusion.
+selective recompute of core attention (never traced with MLA: composed from the plain layer), MoE layers, and
+DeepSeek-style experts (grouped GEMMs, all-to-all over EP 4, top 3, with TP 2 + SP); each with MLA's fused RoPE (the
+default) and with --no-rope-fusion.
 Run: python fit/grids/make_cpu_mla_heldout.py
 """
 import copy
@@ -33,6 +34,14 @@ HELD_OUT = {
     "tp2_sp_selective": (2, [0], {"--recompute-granularity": "selective"}, ()),
     "moe_w1": (1, [0], {"--num-experts": 4, "--moe-router-topk": 2, "--moe-ffn-hidden-size": 64,
                         "--global-batch-size": 2}, ("--tensor-model-parallel-size", "--sequence-parallel")),
+    # DeepSeek-style experts: grouped GEMMs, the all-to-all dispatcher over EP 4, with TP 2 + SP
+    "moe_gg_tp2_sp_ep4_s128": (8, [0], {"--seq-length": 128, "--micro-batch-size": 1, "--hidden-size": 192,
+                                        "--num-attention-heads": 8, "--q-lora-rank": 96, "--kv-lora-rank": 32,
+                                        "--qk-head-dim": 16, "--qk-pos-emb-head-dim": 8, "--v-head-dim": 16,
+                                        "--ffn-hidden-size": 512, "--num-experts": 8, "--moe-router-topk": 3,
+                                        "--moe-ffn-hidden-size": 96, "--moe-grouped-gemm": True,
+                                        "--expert-model-parallel-size": 4, "--moe-token-dispatcher-type": "alltoall",
+                                        "--global-batch-size": 4}, ()),
 }
 
 
@@ -44,7 +53,8 @@ def configs() -> list:
             c = copy.deepcopy(base)
             c.update(name=f"{prefix}_{name}", nproc=world, ranks=ranks)
             c["set"] = {k: v for k, v in c["set"].items() if k not in drop}
-            c["set"].update(changes)
+            c["set"].update({k: v for k, v in changes.items() if v is not True})
+            c["flags"] += [k for k, v in changes.items() if v is True]
             c["flags"] = [f for f in c["flags"] if f not in drop and not (rope and f == "--no-rope-fusion")]
             out.append(c)
     return out
