@@ -18,6 +18,7 @@ import math
 
 from estimator import _record, flag_policy, validate as V
 from estimator._record import dataclass, field
+from estimator.static_memory import local_spec
 
 
 
@@ -728,11 +729,6 @@ def _padded_vocab_size(cfg: TrainingConfig) -> int:
         vocab = cfg.vocab_size
     multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
     return int(math.ceil(vocab / multiple) * multiple)
-
-
-def local_spec(cfg: TrainingConfig) -> bool:
-    """Whether the model is built from megatron-core's local spec (else Transformer Engine's)."""
-    return cfg.transformer_impl == "local" or bool(cfg.spec and cfg.spec[0] == "local")
 
 
 def _attention_kernel(cfg: TrainingConfig) -> str:

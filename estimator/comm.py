@@ -381,8 +381,13 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     full_act, first, last = (s, b, h), [0], [pp - 1]
     recompute_full = _g(cfg, "recompute_granularity") == "full"
     if t > 1:
-        layer_rows = _TP_LAYER_ROWS[sp]
-        act_bytes = _shape_bytes(pdt, full_act)
+        # (op, what, phase, calls per layer, recomputed, shape, bytes): multi-latent attention's own, or the standard
+        # layer's on hidden-state-sized tensors
+        if _g(cfg, "multi_latent_attention", False):
+            layer_rows = [r + (_shape_bytes(pdt, r[5]),) for r in _mla_tp_rows(cfg, sp, s, b, h)]
+        else:
+            act_bytes = _shape_bytes(pdt, full_act)
+            layer_rows = [r + (full_act, act_bytes) for r in _TP_LAYER_ROWS[sp]]
     for p in range(pp):
         L = layers[p]
         # Full recompute replays each recomputed layer's forward (and its TP collectives) during backward.
@@ -391,17 +396,11 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
             rec = min(_g(cfg, "recompute_num_layers", 1), L) if _g(cfg, "recompute_method") == "block" else L
         if t > 1 and L:
             ranks, groups, size = member("tp", p)
-            if size > 1 and _g(cfg, "multi_latent_attention", False):
-                for op, what, phase, calls, recomputed, shape in _mla_tp_rows(cfg, sp, s, b, h):
+            if size > 1:
+                for op, what, phase, calls, recomputed, shape, nbytes in layer_rows:
                     per_mb = calls * (rec if recomputed else L)
                     if per_mb != 0:
-                        rows.append(Collective("tp", op, what, "tp", size, groups, ranks, shape, pdt,
-                                               _shape_bytes(pdt, shape), per_mb, per_mb * m, phase, recomputed, ""))
-            elif size > 1:
-                for op, what, phase, calls, recomputed in layer_rows:
-                    per_mb = calls * (rec if recomputed else L)
-                    if per_mb != 0:
-                        rows.append(Collective("tp", op, what, "tp", size, groups, ranks, full_act, pdt, act_bytes,
+                        rows.append(Collective("tp", op, what, "tp", size, groups, ranks, shape, pdt, nbytes,
                                                per_mb, per_mb * m, phase, recomputed, ""))
         sp_elems = _tp_replicated_elements(cfg, L, p == pp - 1) if t > 1 else 0
         if sp_elems:

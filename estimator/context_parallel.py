@@ -1,9 +1,10 @@
 """--context-parallel-size > 1: Transformer Engine's context-parallel attention (megatron-core runs CP only through
 TE's DotProductAttention) passes the key and value chunks around the CP ring and keeps those it received from the
 other CP - 1 ranks for its backward: 2 x e x s x b x g x d / t bytes per other rank and layer (s: this rank's
-share of the sequence; with multi-latent attention e x s x b x a x (dq + dr + dv) / t, its heads' own widths). Modelled, not measured: no traced run had CP (CP has no CPU stand-in). The hand-modelled
-set counts the same bytes in its core-attention formulas (estimator/formula_sets/build_modelled.py), which the
-published context-parallel H100 runs bear out; its activations are not changed here."""
+share of the sequence; with multi-latent attention e x s x b x a x (dq + dr + dv) / t, its heads' own widths).
+Modelled, not measured: no traced run had CP (CP has no CPU stand-in). The hand-modelled set counts the same bytes
+in its core-attention formulas (estimator/formula_sets/build_modelled.py), which the published context-parallel
+H100 runs bear out; its activations are not changed here."""
 from __future__ import annotations
 
 from .transforms import layer_transform

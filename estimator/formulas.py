@@ -129,8 +129,8 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
 }
 # The switches that change which ops a layer has (the op structure the fit records): a combination of their values
 # that no run had is a different layer, not a composition of measured parts.
-STRUCTURE_SWITCHES = ("spec", "attention", "mla", "moe", "position", "normalization", "activation", "gqa", "tp", "sp",
-                      "recompute", "grouped_gemm")
+STRUCTURE_SWITCHES = ("spec", "attention", "mla", "moe", "position", "normalization", "activation", "gqa", "tp",
+                      "sp", "recompute", "grouped_gemm")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
 
@@ -721,8 +721,8 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
     }
     mla = bool(_get(cfg, "multi_latent_attention", False))
     values.update(ql=_get(cfg, "q_lora_rank", 0) if mla else 0, kl=_get(cfg, "kv_lora_rank", 32) if mla else 0,
-                  dq=_get(cfg, "qk_head_dim", 128) if mla else 0, dr=_get(cfg, "qk_pos_emb_head_dim", 64) if mla else 0,
-                  dv=_get(cfg, "v_head_dim", 128) if mla else 0)
+                  dq=_get(cfg, "qk_head_dim", 128) if mla else 0,
+                  dr=_get(cfg, "qk_pos_emb_head_dim", 64) if mla else 0, dv=_get(cfg, "v_head_dim", 128) if mla else 0)
     return _Variables(values, cfg, pp_rank)
 
 

@@ -34,7 +34,8 @@ def validate(cfg) -> None:
         raise ConfigError("fp8_param must be used together with fp8 mode.")
     if not active(cfg):
         return
-    if cfg.attention_kernel == "unfused" and (cfg.transformer_impl == "local" or (cfg.spec or [""])[0] == "local"):
+    from estimator.static_memory import local_spec
+    if cfg.attention_kernel == "unfused" and local_spec(cfg):
         raise ConfigError("--fp8-format needs --transformer-impl transformer_engine: the local spec has no fp8 "
                           "GEMMs")
     if cfg.fp8_recipe == "custom":

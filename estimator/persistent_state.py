@@ -47,9 +47,9 @@ def mla_rotary_bytes(cfg: Any, layers: int) -> int:
     """What `layers` multi-latent attention layers' own rotary embeddings keep (megatron-core 0.16.1), over the
     whole --seq-length s with rotary width dr:
     - YaRN (rope_type yarn, MLA's default) builds a cos and a sin cache of YARN_ORIGINAL_POSITIONS x dr per layer
-      with the model (module buffers: a 16-bit model's Float16Module casts them to its dtype); with the fused RoPE the first forward replaces them by s x dr ones in the activations'
-      dtype (get_cached_cos_sin), without it they stay and the layer's forward keeps its s x dr fp32 frequencies in
-      the lru_cache;
+      with the model (module buffers: a 16-bit model's Float16Module casts them to its dtype); with the fused RoPE
+      the first forward replaces them by s x dr ones in the activations' dtype (get_cached_cos_sin), without it
+      they stay and the layer's forward keeps its s x dr fp32 frequencies in the lru_cache;
     - plain RoPE (rope_type rope): the frequencies in the lru_cache only.
     Measured on CPU: the unfused YaRN layers' setup caches are what a run without them misses (0.5 MiB on two
     layers of rotary width 8)."""

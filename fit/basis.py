@@ -147,14 +147,15 @@ FAMILIES: dict[str, list[str]] = {
 }
 
 
-MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+# Multi-latent attention's projections and latent norms: the MLA family
+MLA_OPS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
 
 
 def family(op: str) -> str:
     """Which basis an op name (FORMATS 2.3 normalised) uses."""
     last = op.rsplit(".", 1)[-1]
-    if last in MLA_LINEARS:
+    if last in MLA_OPS:
         return "mla"
     if ".local_experts.*" in op:   # before the linear families: an expert's linears see only its tokens
         return "local_expert"

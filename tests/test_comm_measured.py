@@ -126,7 +126,8 @@ def _worker(case: dict, out: str):
         from tracer.standins import _install_te_spec
         _install_te_spec()
         # (Megatron-LM passes its --normalization default, LayerNorm; MLATransformerConfig alone would take RMSNorm)
-        config = MLATransformerConfig(**kw, **MLA, qk_layernorm=True, apply_rope_fusion=False, normalization="LayerNorm")
+        config = MLATransformerConfig(**kw, **MLA, qk_layernorm=True, apply_rope_fusion=False,
+                                      normalization="LayerNorm")
         spec = get_gpt_layer_with_transformer_engine_spec(None, False, True, True)
     else:
         config, spec = TransformerConfig(**kw), get_gpt_layer_local_spec()
@@ -220,7 +221,8 @@ def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False
     argv += ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * dist_opt
     argv += ["--hidden-dropout=0", "--attention-dropout=0"] + ["--position-embedding-type=rope"] * (rope or mla)
     if mla:
-        argv += ["--multi-latent-attention", "--qk-layernorm"] + [f"--{k.replace('_', '-')}={v}" for k, v in MLA.items()]
+        argv += ["--multi-latent-attention", "--qk-layernorm"]
+        argv += [f"--{k.replace('_', '-')}={v}" for k, v in MLA.items()]
     cfg = parse_args(argv)
     case = {k: getattr(cfg, k) for k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "sequence_parallel", "use_distributed_optimizer", "num_microbatches",

@@ -69,14 +69,16 @@ CASES = {
     # DeepSeek-V3 style multi-latent attention: query and key-value latents with their norms, rope on a
     # separate head part, value heads narrower than query heads, TP 2 x PP 2 (built with the TE spec's CPU
     # stand-ins: replicated down projections, norms fused into the up projections)
-    "mla_q_lora_tp2_pp2": "--num-layers 4 --transformer-impl transformer_engine --multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 "
+    "mla_q_lora_tp2_pp2": "--num-layers 4 --transformer-impl transformer_engine --multi-latent-attention "
+                          "--q-lora-rank 24 --kv-lora-rank 16 "
                           "--qk-head-dim 12 --qk-pos-emb-head-dim 4 --v-head-dim 8 --qk-layernorm --swiglu "
                           "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
                           "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 "
                           "--pipeline-model-parallel-size 2",
     # DeepSeek-V2-Lite style: no query latent (one query projection), LayerNorm without --qk-layernorm, biases
     # on the output projection and the MLP, TP 4
-    "mla_no_q_lora_tp4": "--num-layers 2 --transformer-impl transformer_engine --multi-latent-attention --kv-lora-rank 28 --qk-head-dim 8 "
+    "mla_no_q_lora_tp4": "--num-layers 2 --transformer-impl transformer_engine --multi-latent-attention "
+                         "--kv-lora-rank 28 --qk-head-dim 8 "
                          "--qk-pos-emb-head-dim 4 --v-head-dim 12 --position-embedding-type rope "
                          "--tensor-model-parallel-size 4",
     # MoE: TP2 with EP2 and expert-TP1, gelu with biases (router bias too), every 2nd layer MoE

@@ -9,10 +9,10 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 
 # Switches most likely to change what an op allocates come first, so ties between equally good splits prefer them;
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
-ORDER = ("spec", "attention", "mla", "q_lora", "recompute", "moe", "moe_comm", "activation", "position", "normalization",
-         "torch_norm", "gqa", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias", "tied",
-         "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy", "qcore",
-         "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
+ORDER = ("spec", "attention", "mla", "q_lora", "recompute", "moe", "moe_comm", "activation", "position",
+         "normalization", "torch_norm", "gqa", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias",
+         "tied", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy",
+         "qcore", "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
 # Switches a label's runs are split on first wherever they change its event structure, before the greedy choice,
 # per label prefix. torch's norms as CUDA runs them come from the GPU-kernel campaign's local-spec runs only; pooled
 # with the CPU runs, the norms' own labels and the decoder's code between layers (which frees what a norm did not
@@ -54,9 +54,9 @@ RELEVANT = {
     "step@loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "normalization", "position",
                   "torch_norm"),
     "embedding@": _EMBEDDING,
-    "layers.*.self_attention": _LAYER_PART + ("attention", "mla", "q_lora", "position", "gqa", "qcopy", "qcore", "dropout",
-                                              "dropout_mask", "softmax_fp32", "bias", "fuse_softmax", "fuse_rope",
-                                              "scores"),
+    "layers.*.self_attention": _LAYER_PART + ("attention", "mla", "q_lora", "position", "gqa", "qcopy", "qcore",
+                                              "dropout", "dropout_mask", "softmax_fp32", "bias", "fuse_softmax",
+                                              "fuse_rope", "scores"),
     # (and dropout: the bias-dropout-add after the MLP hands its last linear's backward a gradient of its own under
     # dropout, which that backward frees, and a shared one without)
     "layers.*.mlp": _LAYER_PART + ("moe", "moe_comm", "a2a", "activation", "bias", "fuse_act", "dropout",
