@@ -58,6 +58,9 @@ class TrainingConfig:
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # --- multi-token prediction (DeepSeek-V3; megatron-core MultiTokenPredictionBlock on the loss's stage) ---
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -277,6 +280,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--rotary-scaling-factor": ("rotary_scaling_factor", "float"),
     "--mscale": ("mscale", "float"),
     "--mscale-all-dim": ("mscale_all_dim", "float"),
+    "--mtp-num-layers": ("mtp_num_layers", "int"),
+    "--mtp-loss-scaling-factor": ("mtp_loss_scaling_factor", "float"),
     "--untie-embeddings-and-output-weights": ("untie_embeddings_and_output_weights", "true"),
     "--hidden-dropout": ("hidden_dropout", "float"),
     "--attention-dropout": ("attention_dropout", "float"),
@@ -796,6 +801,7 @@ def validate(cfg: TrainingConfig) -> None:
                           "megatron-core's TransformerConfig refuses a fused bias-activation other than gelu, swiglu "
                           "or quick-geglu; add --no-bias-gelu-fusion")
     _validate_mla(cfg)
+    _validate_mtp(cfg)
     if cfg.fp32_residual_connection and not (cfg.fp16 or cfg.bf16):
         raise ConfigError("residual connection in fp32 only supported when using fp16 or bf16.")
     if cfg.position_embedding_type in ("mrope", "relative"):
@@ -835,6 +841,16 @@ def _validate_mla(cfg: TrainingConfig) -> None:
     if local_spec(cfg):
         raise ConfigError("--multi-latent-attention needs the Transformer Engine spec: megatron-core 0.16.1's local "
                           "spec cannot build it (its DotProductAttention takes no k_channels / v_channels)")
+
+
+def _validate_mtp(cfg: TrainingConfig) -> None:
+    """Multi-token prediction as megatron-core 0.16.1 builds it (its layers on the loss's stage:
+    pipeline_layout.validate refuses a layout that places them elsewhere)."""
+    n = cfg.mtp_num_layers
+    if n is None:
+        return
+    if n <= 0:
+        raise ConfigError(f"--mtp-num-layers must be positive, got {n}")
 
 
 def _validate_pipeline(cfg: TrainingConfig) -> None:

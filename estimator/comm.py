@@ -290,7 +290,11 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     vpp = _g(cfg, "virtual_pipeline_model_parallel_size", 1) or 1
     pdt, gdt = precision(cfg)
     tied = not _g(cfg, "untie_embeddings_and_output_weights", False)
+    # multi-token prediction's layers run on the last stage: each a transformer layer of the decoder's last
+    # layer's kind, the embedding of the shifted tokens, a projection and one more loss head
+    mtp = _g(cfg, "mtp_num_layers") or 0
     layers = layers_per_stage(cfg)
+    layers[-1] += mtp
     # Every pp group holds one rank of each stage, in stage order: column p of the pp groups is stage p's ranks
     # (== lay.stage_ranks(p) for every p, in one pass).
     stage_ranks = [sorted(col) for col in zip(*lay.groups["pp"])]
@@ -403,6 +407,8 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                         rows.append(Collective("tp", op, what, "tp", size, groups, ranks, shape, pdt, nbytes,
                                                per_mb, per_mb * m, phase, recomputed, ""))
         sp_elems = _tp_replicated_elements(cfg, L, p == pp - 1) if t > 1 else 0
+        if sp_elems and p == pp - 1 and sp:     # MTP's three norms per layer (its layers are counted in L)
+            sp_elems += 3 * mtp * h * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
         if sp_elems:
             add("tp", "all-reduce", "grads of TP-replicated params (norms, row-parallel biases)", "tp", (sp_elems,),
                 gdt, 0, [p], "step", per_iter=1)
@@ -411,21 +417,40 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
         # megatron-core reduce-scatters the vocab-parallel embedding's output straight into the sequence-parallel
         # layout when no learned position embedding is added after it (LanguageModelEmbedding.
         # reduce_scatter_embeddings); otherwise it all-reduces, adds positions, then scatters (no communication).
-        if sp and _g(cfg, "position_embedding_type", "learned_absolute") != "learned_absolute":
-            add("tp", "reduce-scatter", "word embedding output", "tp", full_act, pdt, 1, first, "fwd")
-        else:
-            add("tp", "all-reduce", "word embedding output", "tp", (b, s, h), pdt, 1, first, "fwd")
+        # (MTP's embedding of the shifted tokens does the same on the last stage.)
+        for stage, n in ((first, 1), (last, mtp)):
+            if sp and _g(cfg, "position_embedding_type", "learned_absolute") != "learned_absolute":
+                add("tp", "reduce-scatter", "word embedding output", "tp", full_act, pdt, n, stage, "fwd")
+            else:
+                add("tp", "all-reduce", "word embedding output", "tp", (b, s, h), pdt, n, stage, "fwd")
+            if sp:
+                add("tp", "all-gather", "embedding grad (sequence scatter backward)", "tp", full_act, pdt, n, stage,
+                    "bwd")
+        heads = 1 + mtp     # the main loss head and one per MTP layer
         if sp:
-            add("tp", "all-gather", "embedding grad (sequence scatter backward)", "tp", full_act, pdt, 1, first,
+            add("tp", "all-gather", "output layer input", "tp", full_act, pdt, heads, last, "fwd")
+            add("tp", "all-gather", "output layer input re-gather for weight grad", "tp", full_act, pdt, heads, last,
                 "bwd")
-            add("tp", "all-gather", "output layer input", "tp", full_act, pdt, 1, last, "fwd")
-            add("tp", "all-gather", "output layer input re-gather for weight grad", "tp", full_act, pdt, 1, last,
-                "bwd")
-            add("tp", "reduce-scatter", "output layer input grad", "tp", full_act, pdt, 1, last, "bwd")
+            add("tp", "reduce-scatter", "output layer input grad", "tp", full_act, pdt, heads, last, "bwd")
         else:
-            add("tp", "all-reduce", "output layer input grad", "tp", full_act, pdt, 1, last, "bwd")
-        add("tp", "all-reduce", "vocab-parallel cross-entropy (max, target logit, sum exp)", "tp", (s, b), "fp32", 3,
-            last, "fwd")
+            add("tp", "all-reduce", "output layer input grad", "tp", full_act, pdt, heads, last, "bwd")
+        add("tp", "all-reduce", "vocab-parallel cross-entropy (max, target logit, sum exp)", "tp", (s, b), "fp32",
+            3 * heads, last, "fwd")
+        if mtp:
+            # MTP's projection of [embedding, hidden] (column-parallel, 2h -> h), gathered whole over TP, then
+            # scattered over the sequence under SP (its backward gathers)
+            joined = (s, b, 2 * h)
+            if sp:
+                add("tp", "all-gather", "MTP projection input", "tp", joined, pdt, mtp, last, "fwd")
+                add("tp", "all-gather", "MTP projection input re-gather for weight grad", "tp", joined, pdt, mtp,
+                    last, "bwd")
+                add("tp", "reduce-scatter", "MTP projection input grad", "tp", joined, pdt, mtp, last, "bwd")
+                add("tp", "all-gather", "MTP projection output grad (sequence scatter backward)", "tp", full_act,
+                    pdt, mtp, last, "bwd")
+            else:
+                add("tp", "all-reduce", "MTP projection input grad", "tp", joined, pdt, mtp, last, "bwd")
+            add("tp", "all-gather", "MTP projection output (gathered over TP)", "tp", full_act, pdt, mtp, last,
+                "fwd")
 
     if pp > 1:
         act = (s // t if sp else s, b, h)
@@ -443,7 +468,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                 if n_recv:
                     rows.append(Collective("pp", "send-recv", recv, "pp", size, groups, ranks, act, pdt, act_bytes,
                                            n_recv // m, n_recv, phase, vpp > 1, "recv"))
-        if tied:
+        if tied or mtp:     # (under MTP megatron-core keeps the last stage's output weight in the group)
             v = _g(cfg, "padded_vocab_size") or _g(cfg, "vocab_size")
             add("embedding", "all-reduce", "tied word-embedding grad (first and last stage)", "embedding",
                 (v // t, h), gdt, 0, [0, pp - 1], "step", per_iter=1)
@@ -462,7 +487,9 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     num_experts = _g(cfg, "num_experts")
     if num_experts and (ep > 1 or lay.etp > 1):
         k = _g(cfg, "moe_router_topk", 2)
-        moe_layers = _moe_layers_per_stage(cfg, layers)
+        moe_layers = _moe_layers_per_stage(cfg, layers_per_stage(cfg))
+        if mtp and _moe_pattern(cfg)[-1]:
+            moe_layers[-1] += mtp
         tokens = s * b // (t if sp else 1)
         disp = _g(cfg, "moe_token_dispatcher_type", "allgather")
         routing = moe_tokens.routing(cfg)
@@ -507,10 +534,14 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     return CommReport(collectives=rows, layout=lay, notes=notes)
 
 
+def _moe_pattern(cfg: Any) -> list:
+    """1 per MoE decoder layer, 0 per dense one (megatron-core's moe_layer_freq rule)."""
+    freq, n = _g(cfg, "moe_layer_freq", 1), _g(cfg, "num_layers", 1)
+    return list(freq) if isinstance(freq, (list, tuple)) else [1 if i % freq == 0 else 0 for i in range(n)]
+
+
 def _moe_layers_per_stage(cfg: Any, layers: Sequence[int]) -> list:
-    freq = _g(cfg, "moe_layer_freq", 1)
-    n = sum(layers)
-    pattern = list(freq) if isinstance(freq, (list, tuple)) else [1 if i % freq == 0 else 0 for i in range(n)]
+    pattern = _moe_pattern(cfg)
     out, i = [], 0
     for L in layers:
         out.append(sum(pattern[i:i + L]))

@@ -26,7 +26,15 @@ from . import moe_tokens, transforms
 
 ROOT = "step"
 FIRST_ONLY = ("data.tokens", "embedding")
-LAST_ONLY = ("data.labels", "output_layer", "loss", "final_layernorm")
+# Multi-token prediction (the loss's stage): its layers, each the model's embedding of the shifted tokens, two
+# norms, a projection, a transformer layer of the decoder's last layer's spec (walked with the decoder layer's
+# programs: it allocates as a decoder layer does, tests/test_mtp.py) and a norm; then its loss head (the model's
+# output layer and loss, called before the main ones: ops of their own, tracer.scopes._call_name).
+MTP = "mtp"
+MTP_LAYERS = "mtp.layers.*"
+MTP_LAYER = "mtp.layers.*.transformer_layer"
+MTP_HEAD = ("mtp_head.output_layer", "mtp_head.loss")
+LAST_ONLY = ("data.labels", "output_layer", "loss", "final_layernorm", MTP) + MTP_HEAD
 LAYER = "layers.*"
 EXPERT = ".local_experts.*"
 # Selective recompute (recompute_modules ["core_attn"], megatron-core's default) checkpoints this op: it is composed
@@ -75,6 +83,9 @@ class ComposedCache:
             self.value_hold = e * s * b * v["a"] * (v["dq"] + v["dv"]) / v["t"] \
                 if self.sw["attention"] == "unfused" else 0.0
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
+        # an MTP layer repeats the decoder's last layer's spec: an MoE layer where that one is
+        pattern = getattr(cfg, "moe_layer_pattern", None)
+        self._mtp_moe = bool(self.env["E"]) and bool(pattern()[-1] if callable(pattern) else True)
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input
@@ -203,8 +214,11 @@ class ComposedCache:
         from .activations import recomputed_groups
         out: list = []
         self._first_chunk = first
-        root_kids = [c for c in self.children(ROOT, self.sw)
-                     if (first or c not in FIRST_ONLY) and (last or c not in LAST_ONLY)]
+        self._mtp_at = len(moe_flags)   # MTP layers are numbered after the chunk's decoder layers
+        # (under MTP the loss's stage reads the tokens too: its embedding of the shifted tokens)
+        root_kids = [c for c in self._with_mtp(self.children(ROOT, self.sw))
+                     if (first or c not in FIRST_ONLY or last and c == "data.tokens" and self.env["D"])
+                     and (last or c not in LAST_ONLY)]
         self._own(ROOT, None, self.sw, out)
         for c in root_kids:
             if c == "decoder":
@@ -213,6 +227,21 @@ class ComposedCache:
                 self._expand(c, None, self.sw, out)
             self._own(own_label(ROOT, c), None, self.sw, out, op=ROOT)
         return out
+
+    def _with_mtp(self, kids) -> list:
+        """The root's children under MTP: the block and its loss head after the decoder, as its runs had them
+        (from a structure of runs without MTP, put there and said extrapolated)."""
+        if not self.env["D"] or MTP in kids:
+            return kids
+        self.extrapolated.add(f"{ROOT} (children)")
+        at = kids.index("decoder") + 1 if "decoder" in kids else len(kids)
+        return list(kids[:at]) + [MTP, *MTP_HEAD] + list(kids[at:])
+
+    def _mtp_layer(self, layer: int, out: list) -> None:
+        """An MTP layer's transformer layer: the decoder's last layer's kind, walked as a decoder layer."""
+        moe = bool(self._mtp_moe)
+        self._expand(LAYER, layer, dict(self.sw, moe=moe), out)
+        out += self.transform_items(moe, layer)
 
     def _decoder(self, moe_flags, last: bool, groups, out: list) -> None:
         self._own("decoder", None, self.sw, out)
@@ -265,10 +294,18 @@ class ComposedCache:
         ckpt_at, deferred = None, 0.0     # where core attention's checkpoint sits in `out`, what it holds back
         not_held = self.query_copy        # of the frees after it, the bytes the checkpoint does not hold
         for c in self.children(op, sw):
+            if c == MTP_LAYER:
+                self._mtp_layer(layer, out)
+                self._own(own_label(op, c), layer, sw, out, op=op)
+                continue
             # A SequentialMLP runs its local experts one after another, each on its share of the tokens; under a
             # routing bound the busiest runs last (on top of the others' saved bytes, first in backward).
-            n = self.local_experts if c.endswith(EXPERT) else 1
+            n = self.local_experts if c.endswith(EXPERT) else int(self.env["D"]) if c == MTP_LAYERS else 1
             for i in range(n):
+                if c == MTP_LAYERS:
+                    self._expand(c, self._mtp_at + i, sw, out)
+                    self._own(own_label(op, c), layer, sw, out, op=op)
+                    continue
                 pos = None if n < 2 else "first" if i == 0 else "last" if i == n - 1 else None
                 inst = pos or instance
                 share = expert

@@ -25,8 +25,7 @@ REFUSED = {
     "--defer-embedding-wgrad-compute": "deferred embedding weight gradients keep their inputs; not modelled",
     "--overlap-p2p-communication-warmup-flush": "changes the interleaved schedule's warm-up, which is simulated "
                                                 "without it",
-    "--mtp-num-layers": "multi-token prediction layers (parameters and activations) are not modelled",
-    "--mtp-standalone": "multi-token prediction layers are not modelled",
+    "--mtp-standalone": "multi-token prediction on a pipeline stage of its own is not modelled (on the loss's stage it is)",
     "--experimental-attention-variant": "experimental attention variants are not modelled",
     "--linear-attention-freq": "linear attention layers are not modelled",
     "--attention-output-gate": "the attention output gate's parameters and activations are not modelled",

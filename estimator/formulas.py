@@ -47,7 +47,9 @@ VARIABLES = ("s", "b", "h", "f", "a", "g", "d", "v", "E", "k", "fe", "fs",
              "t", "st", "cp", "ep", "etp", "e", "P", "Pmax", "Pstep", "L",
              # multi-latent attention (0 without it): the query and key-value latent ranks (ql 0 without a query
              # latent), the query / key head width without and with rotary positions, the value head width
-             "ql", "kl", "dq", "dr", "dv") + tuple(INDICATORS)
+             "ql", "kl", "dq", "dr", "dv",
+             # multi-token prediction's depth (--mtp-num-layers; 0 without): its block joins 1 + D hidden states
+             "D") + tuple(INDICATORS)
 # Per-stage variables (FORMATS 4): parameters the rank's optimizer holds after DP sharding, its largest parameter
 # tensor, the largest 2*p_i + p_(i-1) over consecutive parameters of one optimizer parameter group (a
 # one-tensor-at-a-time Adam step's temporaries: two of the current parameter's size while the previous one's
@@ -61,6 +63,13 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     "mla": (True, False),
     # MLA with a query latent (--q-lora-rank: linear_q_down_proj / linear_q_up_proj instead of linear_q_proj)
     "q_lora": (True, False),
+    # multi-token prediction (--mtp-num-layers): the loss's stage runs the MTP block and one more output layer and
+    # loss per MTP layer
+    "mtp": (True, False),
+    # ... whose layers call the model's own embedding in the chunk that holds it (one pipeline stage): both
+    # lookups' weight gradients are summed before the gradient hook, where an MTP stage after the first has an
+    # embedding of its own
+    "mtp_shared": (True, False),
     "sp": (True, False),
     "recompute": ("none", "selective", "full"),
     "activation": ("gelu", "swiglu", "squared_relu"),
@@ -129,7 +138,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
 }
 # The switches that change which ops a layer has (the op structure the fit records): a combination of their values
 # that no run had is a different layer, not a composition of measured parts.
-STRUCTURE_SWITCHES = ("spec", "attention", "mla", "moe", "position", "normalization", "activation", "gqa", "tp",
+STRUCTURE_SWITCHES = ("spec", "attention", "mla", "mtp", "moe", "position", "normalization", "activation", "gqa", "tp",
                       "sp", "recompute", "grouped_gemm")
 QUANTITIES = ("saved", "fwd_peak", "bwd_peak")
 PER = ("layer", "model")
@@ -722,7 +731,8 @@ def variables(cfg: Any, pp_rank: int = 0) -> Dict[str, float]:
     mla = bool(_get(cfg, "multi_latent_attention", False))
     values.update(ql=_get(cfg, "q_lora_rank", 0) if mla else 0, kl=_get(cfg, "kv_lora_rank", 32) if mla else 0,
                   dq=_get(cfg, "qk_head_dim", 128) if mla else 0,
-                  dr=_get(cfg, "qk_pos_emb_head_dim", 64) if mla else 0, dv=_get(cfg, "v_head_dim", 128) if mla else 0)
+                  dr=_get(cfg, "qk_pos_emb_head_dim", 64) if mla else 0, dv=_get(cfg, "v_head_dim", 128) if mla else 0,
+                  D=_get(cfg, "mtp_num_layers", 0))
     return _Variables(values, cfg, pp_rank)
 
 
@@ -834,6 +844,9 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "attention": kern["attention"],
         "mla": bool(_get(cfg, "multi_latent_attention", False)),
         "q_lora": bool(_get(cfg, "multi_latent_attention", False)) and bool(_get(cfg, "q_lora_rank", None)),
+        "mtp": bool(_get(cfg, "mtp_num_layers", 0)),
+        "mtp_shared": bool(_get(cfg, "mtp_num_layers", 0))
+        and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,
         "sp": bool(_get(cfg, "sequence_parallel", False)),
         "recompute": rg if rg in ("selective", "full") else "none",
         # --quick-geglu is a gated unit too: fc1 output 2 x ffn, the product ffn; its activations are modelled by

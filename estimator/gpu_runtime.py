@@ -26,8 +26,8 @@ report's `gpu_runtime` category (JSON: each stage's `gpu_runtime` items).
   (tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication: every column-parallel linear of the
   local spec, the output layer on either spec; (s/cp)*b*h elements) and the allgather MoE token dispatcher's
   hidden-state gather over the expert tensor x expert model parallel group (transformer/moe/token_dispatcher.py
-  token_dispatch, use_global_buffer=True; (s/cp)*b/(t if SP) * etp*ep*h elements). Counted here: what the buffer
-  holds beyond the attention part.
+  token_dispatch, use_global_buffer=True; (s/cp)*b/(t if SP) * etp*ep*h elements), and multi-token prediction's
+  projection (2*(s/cp)*b*h elements under SP). Counted here: what the buffer holds beyond the attention part.
 - Block rounding: the caching allocator hands out blocks of 512-byte multiples and allocated_bytes counts the
   blocks (c10/cuda/CUDACachingAllocator.cpp round_size, kMinBlockSize = 512). Buffers above are rounded one by
   one; the optimizer's per-parameter tensors (Megatron's fp32 main copies, one per parameter or, with the
@@ -117,13 +117,19 @@ def global_buffer_bytes(cfg, has_layers: bool, has_output: bool, has_moe: bool, 
         sizes.append(c.e * c.s * c.b * c.h)
     if has_moe and c.moe_gather:
         sizes.append(c.e * c.s * c.b // (c.t if c.sp else 1) * c.moe_gather * c.h)
+    if c.sp and has_output and c.mtp:
+        # multi-token prediction's projection of [embedding, hidden] (2h wide) gathers its input over SP: in the
+        # buffer as megatron's ColumnParallelLinear does (the local spec, and the TE spec's CPU stand-ins); TE's
+        # own linear gathers into a tensor of its own per call instead (counted here, it errs high by one hidden
+        # state)
+        sizes.append(2 * c.e * c.s * c.b * c.h)
     return max(sizes)
 
 
 class _Config:
     """What the items depend on in a config, read once per estimate (memo key "gpu_runtime")."""
     __slots__ = ("te", "grouped", "pb", "per_param", "dist_opt", "dp", "dp_expert", "bucket", "e", "t", "s", "b",
-                 "h", "sp", "attn", "moe_gather")
+                 "h", "sp", "attn", "moe_gather", "mtp")
 
     def __init__(self, cfg, scores_in_buffer: bool = False):
         from .static_memory import ddp_bucket_size
@@ -138,6 +144,7 @@ class _Config:
         etp = _g(cfg, "expert_tensor_parallel_size", None) or t
         g = etp * _g(cfg, "expert_model_parallel_size", 1)
         self.moe_gather = g if g > 1 and _g(cfg, "moe_token_dispatcher_type", "allgather") == "allgather" else 0
+        self.mtp = bool(_g(cfg, "mtp_num_layers", 0))
         self.te = not local_spec(cfg)
         self.grouped = bool(_g(cfg, "moe_grouped_gemm", False))
         self.pb = DTYPE_BYTES[pd]

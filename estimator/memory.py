@@ -43,11 +43,11 @@ class Estimate:
 def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
     """ParamInfo per parameter of `ops`, in named_parameters order (Attention registers core_attention, then
     linear_proj, before SelfAttention's linear_qkv; embedding first, final norm and output layer last)."""
-    ops = sorted(enumerate(ops), key=lambda io: (io[1].layer if io[1].layer is not None else (-1 if io[1].op.startswith("embedding") else 1 << 30),
-                                              _ATTENTION_FIRST.get(io[1].op.rsplit(".", 1)[-1], 2), io[0]))
+    ops = sorted(enumerate(ops), key=lambda io: (*_module_order(io[1]),
+                                                 _ATTENTION_FIRST.get(io[1].op.rsplit(".", 1)[-1], 2), io[0]))
     params: List[ParamInfo] = []
     for _, op in ops:
-        shared = op.shared_embedding or (tied and pp > 1 and op.op == "embedding.word_embeddings")
+        shared = op.shared_embedding
         for _ in range(op.count):
             for shape in op.shapes:
                 n = 1
@@ -58,6 +58,17 @@ def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
 
 
 _ATTENTION_FIRST = {"core_attention": 0, "linear_proj": 1}
+
+
+def _module_order(op) -> tuple:
+    """GPTModel's registration order: embedding, decoder layers, the decoder's final norm, MTP layers, output."""
+    if op.op.startswith("embedding"):
+        return (0, 0)
+    if op.op.startswith("mtp."):
+        return (3, op.layer)
+    if op.layer is not None:
+        return (1, op.layer)
+    return (4 if op.op == "output_layer" else 2, 0)
 
 
 def _with_columns(params: List[ParamInfo]) -> tuple:
@@ -88,7 +99,7 @@ def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -
         key = ("chunk", kinds, first, last)
         params = by_key.get(key)
         if params is None:
-            head = _with_columns(_param_infos(M.head_ops(cfg, first), tied, pp))
+            head = _with_columns(_param_infos(M.head_ops(cfg, first, last), tied, pp))
             parts = [head]
             for i, kind in enumerate(kinds):
                 t = templates.get(kind)
@@ -129,6 +140,28 @@ def schedule_name(cfg) -> str:
     return "no pipelining" if pp == 1 else ("interleaved 1F1B" if vpp > 1 else "1F1B")
 
 
+# Features whose ops no other op stands in for: composing them from the standard layer's ops would be a wrong
+# number, so a set measures them (some of its runs had them) or the estimate stops. (The per-op modelled set has
+# no formulas for them.) switch -> (config attribute, flag)
+_OWN_OPS = {"mla": ("multi_latent_attention", "--multi-latent-attention"),
+            "mtp": ("mtp_num_layers", "--mtp-num-layers")}
+
+
+def _check_measures(cfg, fset) -> None:
+    if (getattr(cfg, "mtp_num_layers", None) or 0) > 1:
+        # each MTP layer's loss head frees other tensors than the first's (the last to run frees the block's
+        # joined hidden states): the traced runs have one MTP layer
+        from .args import ConfigError
+        raise ConfigError(f"--mtp-num-layers {cfg.mtp_num_layers} cannot be estimated: no formula set measured more "
+                          f"than one multi-token prediction layer")
+    seen = fset.seen_switch_values()
+    for switch, (attr, flag) in _OWN_OPS.items():
+        if getattr(cfg, attr, None) and True not in seen.get(switch, ()):
+            from .args import ConfigError
+            raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
+                              f"it measured no run with it (use --formulas cpu_compose)")
+
+
 def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timeline: bool = False,
              chunks_by_stage: Optional[Dict[int, List[List[ParamInfo]]]] = None, per_op: bool = True,
              device: str = "cuda") -> Estimate:
@@ -138,12 +171,7 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
     measure): no GPU-only runtime buffers (estimator.gpu_runtime)."""
     want_ops = per_op
     fset = formula_set if isinstance(formula_set, F.FormulaSet) else F.load(formula_set or F.DEFAULT_SET)
-    if getattr(cfg, "multi_latent_attention", False) and True not in fset.seen_switch_values().get("mla", ()):
-        # Composing multi-latent attention from standard attention's ops would be a wrong number: a set measures it
-        # (its runs had it) or the estimate stops. (The per-op modelled set has no MLA formulas.)
-        from .args import ConfigError
-        raise ConfigError(f"--multi-latent-attention changes memory and cannot be estimated with formula set "
-                          f"{fset.name!r}: it measured no multi-latent attention run")
+    _check_measures(cfg, fset)
     pp = cfg.pipeline_model_parallel_size
     vpp = cfg.virtual_pipeline_model_parallel_size or 1
     M_ = cfg.num_microbatches

@@ -25,7 +25,7 @@ class OpParams:
     shapes: tuple  # parameter shapes held by one rank for one instance, e.g. ((out, in), (out,))
     count: int = 1  # instances on this rank (local experts), each with `shapes`
     is_expert: bool = False  # sharded over EP and expert-TP; reduced over expert-DP
-    shared_embedding: bool = False  # the last stage's copy of the tied word embedding
+    shared_embedding: bool = False  # kept equal over the embedding group: first / last stage (tied or MTP)
 
     @property
     def numel(self) -> int:
@@ -229,19 +229,29 @@ def rank_params(cfg: TrainingConfig, pp_rank: int = 0, vp_stage: Optional[int] =
         return merged
     result = RankParams(pp_rank, vp_stage)
     first, last = has_embedding(cfg, pp_rank, vp_stage), has_output(cfg, pp_rank, vp_stage)
-    result.ops += head_ops(cfg, first)
+    result.ops += head_ops(cfg, first, last)
     for layer in stage_layers(cfg, pp_rank, vp_stage):
         result.ops += layer_ops(cfg, layer)
     result.ops += tail_ops(cfg, first, last)
     return result
 
 
-def head_ops(cfg: TrainingConfig, first: bool) -> list[OpParams]:
-    """Embedding parameters of a chunk (none unless it is the model's first chunk)."""
-    if not first:
+def _shared_copies(cfg: TrainingConfig) -> bool:
+    """Whether the first stage's word embedding and the last stage's output weight are kept equal by the
+    embedding group (flagged `shared_embedding`: their own DDP bucket): tied weights, or multi-token prediction,
+    over more than one pipeline stage (megatron-core's LanguageModule.setup_embeddings_and_output_layer)."""
+    return cfg.pipeline_model_parallel_size > 1 and (not cfg.untie_embeddings_and_output_weights
+                                                     or bool(cfg.mtp_num_layers))
+
+
+def head_ops(cfg: TrainingConfig, first: bool, last: bool = False) -> list[OpParams]:
+    """Embedding parameters of a chunk: the model's first chunk's, and multi-token prediction's own copy on the
+    loss's chunk when that is another (GPTModel builds one wherever the MTP block is)."""
+    if not (first or (last and cfg.mtp_num_layers)):
         return []
     h, vocab_shard = cfg.hidden_size, cfg.padded_vocab_size // cfg.tensor_model_parallel_size
-    ops = [OpParams("embedding.word_embeddings", None, ((vocab_shard, h),))]
+    ops = [OpParams("embedding.word_embeddings", None, ((vocab_shard, h),),
+                    shared_embedding=first and _shared_copies(cfg))]
     if cfg.position_embedding_type == "learned_absolute":
         ops.append(OpParams("embedding.position_embeddings", None, ((cfg.max_position_embeddings, h),)))
     return ops
@@ -253,12 +263,33 @@ def tail_ops(cfg: TrainingConfig, first: bool, last: bool) -> list[OpParams]:
         return []
     h, vocab_shard = cfg.hidden_size, cfg.padded_vocab_size // cfg.tensor_model_parallel_size
     ops = [OpParams("final_layernorm", None, _norm(cfg, h))]
+    ops += mtp_ops(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
     # Tied: the chunk that also holds the embedding reuses its weight; any other last chunk keeps a copy
     # that is kept equal by an all-reduce over the embedding group.
     if not tied or not first:
-        ops.append(OpParams("output_layer", None, ((vocab_shard, h),), shared_embedding=tied))
+        ops.append(OpParams("output_layer", None, ((vocab_shard, h),),
+                            shared_embedding=not first and _shared_copies(cfg)))
     return ops
+
+
+def mtp_ops(cfg: TrainingConfig) -> list[OpParams]:
+    """Multi-token prediction's layers (megatron-core MultiTokenPredictionLayer), numbered after the decoder's:
+    the embedding's and the hidden state's norms, the projection of both joined (2h -> h, column-parallel, no
+    bias), a transformer layer of the decoder's last layer's spec, a final norm."""
+    h, t, last = cfg.hidden_size, cfg.tensor_model_parallel_size, cfg.num_layers - 1
+    ops = []
+    for layer in range(cfg.num_layers, cfg.num_layers + (cfg.mtp_num_layers or 0)):
+        ops += [OpParams("mtp.layers.*.enorm", layer, _norm(cfg, h)),
+                OpParams("mtp.layers.*.hnorm", layer, _norm(cfg, h)),
+                OpParams("mtp.layers.*.eh_proj", layer, _linear(h // t, 2 * h, False))]
+        ops += [OpParams(MTP_LAYER + op.op[len("layers.*"):], layer, op.shapes, op.count, op.is_expert)
+                for op in layer_ops(cfg, last)]
+        ops.append(OpParams("mtp.layers.*.final_layernorm", layer, _norm(cfg, h)))
+    return ops
+
+
+MTP_LAYER = "mtp.layers.*.transformer_layer"
 
 
 def chunk_layer_table(cfg: TrainingConfig) -> dict:

@@ -49,7 +49,7 @@ def mla_rotary_bytes(cfg: Any, layers: int) -> int:
     - YaRN (rope_type yarn, MLA's default) builds a cos and a sin cache of YARN_ORIGINAL_POSITIONS x dr per layer
       with the model (module buffers: a 16-bit model's Float16Module casts them to its dtype); with the fused RoPE
       the first forward replaces them by s x dr ones in the activations' dtype (get_cached_cos_sin), without it
-      they stay and the layer's forward keeps its s x dr fp32 frequencies in the lru_cache;
+      they stay; either way the layer's forward keeps its s x dr fp32 frequencies in the lru_cache;
     - plain RoPE (rope_type rope): the frequencies in the lru_cache only.
     Measured on CPU: the unfused YaRN layers' setup caches are what a run without them misses (0.5 MiB on two
     layers of rotary width 8)."""
@@ -60,8 +60,8 @@ def mla_rotary_bytes(cfg: Any, layers: int) -> int:
     if (_g(cfg, "rope_type", None) or "yarn") == "rope":
         return cached
     e = int(F.variables(cfg)["e"])
-    if F.kernels(cfg)["fuse_rope"]:
-        return layers * 2 * s * dr * e
+    if F.kernels(cfg)["fuse_rope"]:     # (the s x dr fp32 frequencies that built them stay in the lru_cache)
+        return layers * 2 * s * dr * e + cached
     return layers * 2 * YARN_ORIGINAL_POSITIONS * dr * e + cached
 
 
@@ -79,9 +79,19 @@ def moe_layer_state_bytes(cfg: Any) -> int:
 
 
 def stage_bytes(cfg: Any, stage_chunks) -> int:
-    """The persistent bytes of one pipeline stage: the rotary cache where it has layers, each MoE layer's state."""
-    kinds = [k for c in stage_chunks for k in c.key[1]]
+    """The persistent bytes of one pipeline stage: the rotary cache where it has layers, each MoE layer's state
+    (multi-token prediction's transformer layers, on the loss's stage, are layers of the decoder's last kind)."""
+    kinds = [k for c in stage_chunks for k in c.key[1]] + _mtp_kinds(cfg, stage_chunks)
     if not kinds:
         return 0
     return rotary_cache_bytes(cfg) + sum(map(bool, kinds)) * moe_layer_state_bytes(cfg) + \
         mla_rotary_bytes(cfg, len(kinds))
+
+
+def _mtp_kinds(cfg: Any, stage_chunks) -> list:
+    """The MoE flag of each MTP layer on the stage (none unless it holds the loss: a chunk key's `last`)."""
+    n = int(_g(cfg, "mtp_num_layers", 0) or 0)
+    if not n or not any(c.key[3] for c in stage_chunks):
+        return []
+    pattern = getattr(cfg, "moe_layer_pattern", None)
+    return [bool(pattern()[-1]) if callable(pattern) else bool(_g(cfg, "num_experts", 0))] * n

@@ -51,8 +51,14 @@ def validate(cfg, parsed: list[str]) -> None:
         raise LayoutError("Loss must be specified exactly once")
     if flat.count("t") != cfg.num_layers:
         raise LayoutError(f"Number of decoder layers {flat.count('t')}must match num_layers {cfg.num_layers}")
-    if "m" in flat:
+    if flat.count("m") != (cfg.mtp_num_layers or 0):
         raise LayoutError("Number of mtp layers in layout must match mtp_num_layers")
+    if "m" in flat and "t" in flat[flat.index("m"):]:
+        raise LayoutError("decoder layers must be placed before MTP layers")
+    if parsed[-1].count("m") != flat.count("m"):
+        # megatron-core's mtp_standalone: the stage sends 1 + D hidden states on
+        raise LayoutError("MTP layers on a stage other than the loss's are not modelled: put every 'm' of "
+                          "--pipeline-model-parallel-layout in its last stage")
 
 
 def decoder_layers(parsed: list[str], pp: int, pp_rank: int, vp: int) -> int:

@@ -31,6 +31,7 @@ FLAG_HINTS = {
     "L": "--num-layers (per pipeline stage)",
     "ql": "--q-lora-rank (with --multi-latent-attention)", "kl": "--kv-lora-rank",
     "dq": "--qk-head-dim", "dr": "--qk-pos-emb-head-dim", "dv": "--v-head-dim",
+    "D": "--mtp-num-layers",
 }
 
 
@@ -103,8 +104,13 @@ _MLA_TOKENS = ["s*b*ql/st", "s*b*ql", "s*b*kl/st", "s*b*kl", "s*b*dr/st", "s*b*d
 _MLA_WEIGHTS = ["h*ql", "h*kl", "h*dr", "ql*a*dq/t", "ql*a*dr/t", "kl*a*dq/t", "kl*a*dv/t", "h*a*dq/t",
                 "h*a*dr/t", "h*a*dv/t", "ql", "kl"]
 _MLA = _STREAM + _MLA_TOKENS + _MLA_WEIGHTS + ["1"]
+# Multi-token prediction's own code (its transformer layer is the decoder layer's programs): the embedding of the
+# shifted tokens and their ids, the two norms, the joined [embedding, hidden] and its projection (gathered over TP,
+# scattered over SP), its weight's gradient, and the block's join of the 1 + D hidden states.
+_MTP = _STREAM + ["s*b*h*D/st", "s*b*h*D", "s*b", "s*b/st", "h*h/t", "h", "1"]
 FAMILIES: dict[str, list[str]] = {
     "mla": _MLA,
+    "mtp": _MTP,
     # s*b*d, s*d: under rope, the backward of the rotated query and key frees tensors of one head's width
     "core_attention": ["s*b*a*d/t", "s*b*g*d/t", "s*s*b*a/t", "s*b*a/t", "s*b*h/st", "s*b*d", "s*d", "1",
                        "s*b*a*dq/t", "s*b*a*dr/t", "s*b*a*dv/t"],
@@ -152,11 +158,18 @@ MLA_OPS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv
                "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
 
 
+# Multi-token prediction's own modules (its transformer layer and its calls of the embedding are the decoder's and
+# the embedding's families)
+MTP_OPS = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+
+
 def family(op: str) -> str:
     """Which basis an op name (FORMATS 2.3 normalised) uses."""
     last = op.rsplit(".", 1)[-1]
     if last in MLA_OPS:
         return "mla"
+    if op in ("mtp", "mtp.layers.*") or op.startswith("mtp.layers.*.") and last in MTP_OPS:
+        return "mtp"
     if ".local_experts.*" in op:   # before the linear families: an expert's linears see only its tokens
         return "local_expert"
     if op in ("optim", "optimizer") or op.startswith("optim"):

@@ -15,6 +15,7 @@ import traceback
 
 _LAYER_PATH = re.compile(r"^(?:module\.)*(?:decoder\.)?layers\.(\d+)\.(.*)$")
 _EXPERT_PATH = re.compile(r"^mlp\.experts\.local_experts\.\d+\.(.*)$")
+_MTP_PATH = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 
 
 def _free_port() -> int:
@@ -30,13 +31,20 @@ _TE_FUSED_NORMS = {"self_attention.linear_qkv": "input_layernorm", "mlp.linear_f
                    "self_attention.linear_kv_up_proj": "self_attention.kv_layernorm"}
 
 
-def op_of_param(name: str, chunk_layers: list[int]) -> tuple[str, int | None]:
+def op_of_param(name: str, chunk_layers: list[int], num_layers: int = 0) -> tuple[str, int | None]:
     """'decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight' -> ('layers.*.mlp.experts.linear_fc1', L)."""
     module, param = name.rsplit(".", 1)
     for linear, norm in _TE_FUSED_NORMS.items():
         if param.startswith("layer_norm_") and module.endswith("." + linear):
             module = module[:-len(linear)] + norm
     module = re.sub(r"^(?:module\.)+", "", module)
+    mtp = _MTP_PATH.match(module)
+    if mtp:     # multi-token prediction's layers, numbered after the decoder's (estimator.model.mtp_ops)
+        rest = mtp.group(2)
+        expert = _EXPERT_PATH.match(rest.replace("transformer_layer.", "", 1))
+        if expert:
+            rest = "transformer_layer.mlp.experts." + expert.group(1)
+        return "mtp.layers.*." + rest, num_layers + int(mtp.group(1))
     match = _LAYER_PATH.match(module)
     if not match:
         return module.replace("decoder.", ""), None
@@ -86,12 +94,8 @@ def transformer_config(cfg):
         kwargs.update(softmax_type=cfg.softmax_type)
     if cfg.pipeline_model_parallel_layout is not None:
         kwargs.update(pipeline_model_parallel_layout=cfg.pipeline_model_parallel_layout)
-    if cfg.multi_latent_attention:
-        from megatron.core.transformer.transformer_config import MLATransformerConfig
-        kwargs.update(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-                      qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
-                      v_head_dim=cfg.v_head_dim)
-        return MLATransformerConfig(**kwargs)
+    if cfg.mtp_num_layers:
+        kwargs.update(mtp_num_layers=cfg.mtp_num_layers)
     if cfg.num_experts:
         kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
@@ -99,13 +103,19 @@ def transformer_config(cfg):
                       moe_grouped_gemm=False,
                       # Dispatchers hold no parameters; alltoall's constructor needs a CUDA stream, allgather's not.
                       moe_token_dispatcher_type="allgather")
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        kwargs.update(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                      qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+                      v_head_dim=cfg.v_head_dim)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
 def megatron_param_counts(cfg, pp_rank: int) -> dict:
     """{(op, layer): numel} over every model chunk this process builds for pipeline rank `pp_rank`."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -123,7 +133,10 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
         vp_stage = vp if cfg.virtual_pipeline_model_parallel_size else None
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=cfg.normalization,
                                           vp_stage=vp_stage, pp_rank=pp_rank)
-        model = GPTModel(
+        # as pretrain_gpt.py: the MTP block (on the loss's stage) repeats the decoder's last layer spec
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te, vp_stage=vp_stage, pp_rank=pp_rank) \
+            if cfg.mtp_num_layers else None
+        model = GPTModel(mtp_block_spec=mtp,
             config=config, transformer_layer_spec=spec, vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_position_embeddings,
             pre_process=pp_rank == 0 and vp == 0, post_process=pp_rank == last_pp and vp == vpp - 1,
@@ -133,7 +146,7 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         chunk_layers = [offset + i for i in range(get_num_layers_to_build(config, vp_stage, pp_rank))]
         for name, param in model.named_parameters():
-            key = op_of_param(name, chunk_layers)
+            key = op_of_param(name, chunk_layers, cfg.num_layers)
             counts[key] = counts.get(key, 0) + param.numel()
     return counts
 

@@ -156,7 +156,7 @@ def test_a_flag_megatron_lm_lacks_is_an_error_with_a_suggestion(flag, hint):
 
 
 @pytest.mark.parametrize("flags,reason", [
-    ("--mtp-num-layers 1", "multi-token prediction"),
+    ("--mtp-standalone", "multi-token prediction"),
     ("--cp-comm-type a2a", "other than p2p"),
     ("--outer-dp-sharding-strategy optim", "hybrid sharded data parallelism"),
     ("--optimizer muon", "Muon's states"),
@@ -454,6 +454,8 @@ def test_pipeline_layout_sets_the_virtual_stages_and_layers():
     ("Et|t|L", "", "must be divisible by pipeline_model_parallel_size"),
     ("Et|tx|L|", "", "Invalid layer character: x"),
     ("Et|tmL", "", "mtp"),
+    ("Etm|tL", "--mtp-num-layers 1", "decoder layers must be placed before MTP layers"),
+    ("Et|t|m|L", "--mtp-num-layers 1", "MTP layers on a stage other than the loss's"),
     ("Et|tL", "--num-virtual-stages-per-pipeline-rank 1", "No more than one of the following"),
     ("Et|tL", "--decoder-first-pipeline-num-layers 1", "cannot be set with other pipeline layout arguments"),
 ])
@@ -496,7 +498,7 @@ def test_multi_latent_attention_needs_a_set_that_measured_it():
     argv = shlex.split("--preset llama2_7b --micro-batch-size 1 --multi-latent-attention --q-lora-rank 64 "
                        "--qk-layernorm")
     for name in ("gpu_h100", "modelled"):
-        with pytest.raises(ConfigError, match="measured no multi-latent attention run") as err:
+        with pytest.raises(ConfigError, match="--multi-latent-attention changes memory .* measured no run with it") as err:
             build_report(argv + ["--formulas", name], reserved=False)
         assert "\n" not in str(err.value)
     report = build_report(argv, reserved=False)

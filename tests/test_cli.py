@@ -105,14 +105,15 @@ def test_presets_all_run():
     from estimator.cli import presets
     names = presets()
     assert {"gpt3_175b", "llama2_7b", "llama2_70b", "llama3_8b", "llama3_70b", "mixtral_8x7b",
-            "qwen2.5_72b", "qwen3_30b_a3b", "qwen3_235b_a22b", "nemotron4_15b"} <= set(names)
+            "qwen2.5_72b", "qwen3_30b_a3b", "qwen3_235b_a22b", "nemotron4_15b", "deepseek_v3"} <= set(names)
     for name in names:
         with open(os.path.join(ROOT, "estimator", "presets", f"{name}.json"), encoding="utf-8") as fh:
             args = json.load(fh)["args"]
         value = lambda flag, default: int(args[args.index(flag) + 1]) if flag in args else default  # noqa: E731
-        # TP 8 where the KV heads divide among 8 ranks, else as many as there are; PP 4 where the layers divide
+        # TP 8 where the KV heads divide among 8 ranks, else as many as there are; PP 4 or 2 where the layers divide
         tp = min(8, value("--num-query-groups", 8))
-        pp = 4 if value("--num-layers", 4) % 4 == 0 else 2
+        layers = value("--num-layers", 4)
+        pp = 4 if layers % 4 == 0 else 2 if layers % 2 == 0 else 1
         res = run_cli(["--preset", name, "--nproc_per_node", "8", "--nnodes", "8", "--tensor-model-parallel-size",
                        str(tp), "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "1",
                        "--global-batch-size", "16", "--bf16", "--sequence-parallel", "--json"])

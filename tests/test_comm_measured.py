@@ -130,9 +130,13 @@ def _worker(case: dict, out: str):
                                       normalization="LayerNorm")
         spec = get_gpt_layer_with_transformer_engine_spec(None, False, True, True)
     else:
-        config, spec = TransformerConfig(**kw), get_gpt_layer_local_spec()
+        config, spec = TransformerConfig(**kw, mtp_num_layers=case["mtp"]), get_gpt_layer_local_spec()
     padded_vocab = case["padded_vocab_size"]
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab,
+    mtp_spec = None
+    if case["mtp"]:     # as pretrain_gpt.py: the MTP block on the last stage repeats the layer spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab, mtp_block_spec=mtp_spec,
                      max_sequence_length=m["max_position_embeddings"], pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True,
                      position_embedding_type=case["position_embedding_type"])
@@ -158,7 +162,7 @@ def _worker(case: dict, out: str):
     def forward_step(data_iterator, model_):
         tokens, labels = next(data_iterator)
         pos = torch.arange(s).unsqueeze(0).expand(b, s)
-        out = model_(tokens, pos, mask, labels=labels)
+        out = model_(tokens, pos, mask, labels=labels, loss_mask=torch.ones(b, s))
 
         def loss_func(output_tensor):
             loss = output_tensor.float().mean()
@@ -210,7 +214,7 @@ def _run_case(case: dict, tmp_path: Path) -> list:
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
 
-def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False, mla=False):
+def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False, mla=False, mtp=None):
     from estimator.args import parse_args
 
     argv = [f"--nproc_per_node={tp * pp * dp}", f"--tensor-model-parallel-size={tp}",
@@ -223,11 +227,12 @@ def _case(tp=1, pp=1, dp=1, sp=False, dist_opt=False, microbatches=2, rope=False
     if mla:
         argv += ["--multi-latent-attention", "--qk-layernorm"]
         argv += [f"--{k.replace('_', '-')}={v}" for k, v in MLA.items()]
+    argv += [f"--mtp-num-layers={mtp}"] * bool(mtp)
     cfg = parse_args(argv)
     case = {k: getattr(cfg, k) for k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "sequence_parallel", "use_distributed_optimizer", "num_microbatches",
                                          "padded_vocab_size", "position_embedding_type")}
-    case["mla"] = mla
+    case["mla"], case["mtp"] = mla, mtp
     return cfg, case
 
 
@@ -261,6 +266,11 @@ CASES = {
     # projections' gradients reduced over TP under SP
     "mla_tp2_sp": dict(tp=2, sp=True, mla=True),
     "mla_tp2": dict(tp=2, mla=True),
+    # multi-token prediction: its embedding, projection, layer and loss head on the last stage; over PP the last
+    # stage's output weight joins the embedding group's all-reduce
+    "mtp_tp2_sp": dict(tp=2, sp=True, mtp=1),
+    "mtp_tp2": dict(tp=2, mtp=1),
+    "mtp_pp2": dict(pp=2, microbatches=3, mtp=1),
 }
 
 

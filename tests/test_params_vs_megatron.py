@@ -81,6 +81,20 @@ CASES = {
                          "--kv-lora-rank 28 --qk-head-dim 8 "
                          "--qk-pos-emb-head-dim 4 --v-head-dim 12 --position-embedding-type rope "
                          "--tensor-model-parallel-size 4",
+    # multi-token prediction, two layers on the last stage: tied (the last stage's output weight is the embedding
+    # group's copy) with learned positions (the MTP block's own embedding holds a position table too)
+    "mtp2_tied_tp2_pp2": "--num-layers 4 --mtp-num-layers 2 --tensor-model-parallel-size 2 "
+                         "--pipeline-model-parallel-size 2",
+    # DeepSeek-V3 style: MTP over an MLA + MoE last layer (the MTP layer repeats its spec), untied, on a layout
+    # whose last stage holds one decoder layer, the MTP layer and the loss
+    "mtp_mla_moe_layout": "--num-layers 3 --mtp-num-layers 1 --transformer-impl transformer_engine "
+                          "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 12 "
+                          "--qk-pos-emb-head-dim 4 --v-head-dim 8 --swiglu --normalization RMSNorm "
+                          "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights "
+                          "--num-experts 4 --moe-layer-freq [0,0,1] --moe-ffn-hidden-size 32 "
+                          "--moe-shared-expert-intermediate-size 16 --expert-model-parallel-size 2 "
+                          "--moe-token-dispatcher-type alltoall --pipeline-model-parallel-size 2 "
+                          "--pipeline-model-parallel-layout 'Ett|tmL'",
     # MoE: TP2 with EP2 and expert-TP1, gelu with biases (router bias too), every 2nd layer MoE
     "moe_tp2_ep2_etp1": "--num-layers 4 --num-experts 4 --moe-layer-freq 2 --tensor-model-parallel-size 2 "
                         "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "

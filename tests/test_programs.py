@@ -301,19 +301,22 @@ def test_worker_buffers_pair_by_allocation_order_across_runs():
 
 
 def test_structure_is_the_whole_model_when_pipeline_stages_are_the_majority():
-    """A pipeline stage runs part of the model: the first stage of PP 2 has no output layer or loss. Three PP 2
-    runs (their first stage is what a run's structure reads) and one single-process run of the same switches (Megatron's
-    GPU kernels on the stand-ins, fake process group): the fitted `step` children are the whole model's, in order,
-    so the estimator can take each stage's part of it; the majority (a first stage) would drop the loss everywhere."""
+    """A pipeline stage runs part of the model: the first stage of PP 2 has no output layer or loss, the last no
+    embedding. A run's structure is its traced ranks' together (fit.programs.build.run_children): three PP 2 runs
+    (both stages traced) and one single-process run of the same switches (Megatron's GPU kernels on the stand-ins,
+    fake process group) all read the whole model, in order, and so does the fitted `step`, so the estimator takes
+    each stage's part of it; the first stage alone would drop the loss everywhere."""
     from fit.programs.switches import fit_structure
     d = os.path.join(ROOT, "fit", "traces", "cpu_gpu_kernels")
     runs = load_runs([os.path.join(d, n) for n in sorted(os.listdir(d))
                       if n.startswith(("llama_pp2_", "llama_w1_s48"))])
-    stages = sorted(tuple(r.children["step"]) for r in runs)
-    assert len(set(stages)) == 2 and sum("loss" not in s for s in stages) == 3
+    assert len(runs) == 4
+    stages = {tuple(r.children["step"]) for r in runs}
+    assert len(stages) == 1
+    (whole,) = stages
+    assert whole[-2:] == ("output_layer", "loss") and "embedding" in whole
     (step,) = [e for e in fit_structure(runs) if e["op"] == "step"]
-    assert step["children"] == list(max(stages, key=len))
-    assert step["children"][-2:] == ["output_layer", "loss"] and "3 of 4 runs" in step["note"]
+    assert step["children"] == list(whole) and "note" not in step
 
 
 def test_a_run_whose_loss_scaler_skipped_steps_is_refused(tmp_path):

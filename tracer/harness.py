@@ -252,9 +252,14 @@ def build_model(cfg, tconfig, te: bool | None = None) -> list:
 def _gpt_model(cfg, tconfig, stage, te: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
+    spec = _layer_spec(cfg, tconfig, stage, te)
+    # as pretrain_gpt.py: the MTP block (on the loss's stage) repeats the decoder's last layer spec
+    mtp = get_gpt_mtp_block_spec(tconfig, spec, use_transformer_engine=te, vp_stage=stage) \
+        if cfg.mtp_num_layers else None
     return GPTModel(
-        config=tconfig, transformer_layer_spec=_layer_spec(cfg, tconfig, stage, te),
+        config=tconfig, transformer_layer_spec=spec, mtp_block_spec=mtp,
         vocab_size=cfg.padded_vocab_size, max_sequence_length=cfg.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -351,7 +356,8 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     batch = get_batch(data_iterator, _holds_data(model))
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])    # as pretrain_gpt.py (read by multi-token prediction only)
     # The cross entropy runs inside GPTModel (compute_language_model_loss, scoped `loss` by tracer.scopes).
     return output, partial(loss_func, batch["loss_mask"])
 

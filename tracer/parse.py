@@ -87,8 +87,8 @@ def _classify_name(name: str) -> tuple[int, int, str | None, int | None]:
         return K_OPTIM, -1, None, None
     if name in _COMM_NAMES:
         return K_COMM, -1, None, None
-    if name == "loss":
-        return K_LOSS, -1, "loss", None
+    if name in ("loss", "mtp_head.loss"):    # (a multi-token prediction layer's loss head: tracer.scopes)
+        return K_LOSS, -1, name, None
     if head == "data" and rest:   # the microbatch's input batch, built in the forward step (op `data.<what>`)
         return K_DATA, -1, f"data.{rest}", None
     return K_OTHER, -1, None, None

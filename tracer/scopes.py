@@ -33,6 +33,9 @@ _module_depth_in_recompute = 0
 _pending_recompute_pops: list[bool] = []   # per open module: did its pre-hook push a recompute scope?
 _bwd_ids: dict[int, tuple[int, int | None]] = {}   # id(output tensor) -> (microbatch, chunk)
 _fwd_count: dict = {}
+_call_names: list[str] = []          # per open module call: the name its scope got (_call_name)
+_mtp_layers: list[str] = []          # the multi-token prediction layers open now
+_mtp_heads_left = 0                  # MTP loss heads still to run in this forward (set when the MTP block returns)
 
 
 def enable(on: bool = True) -> None:
@@ -134,11 +137,25 @@ def _first_tensor(args, kwargs, key="hidden_states"):
     return cand if isinstance(cand, torch.Tensor) else None
 
 
+def _call_name(mod, name: str) -> str:
+    """The name of this call of `mod`. Multi-token prediction runs the model's own embedding inside each MTP layer,
+    and its output layer and loss once per MTP layer before the main ones: those calls are ops of their own
+    (`mtp.layers.<i>.embedding...`, `mtp_head.output_layer`, `mtp_head.loss`), not more calls of the main ones."""
+    if name and _mtp_layers and not name.startswith(_mtp_layers[-1]):
+        return _mtp_layers[-1] + "." + name
+    if name == "output_layer" and _mtp_heads_left:
+        return "mtp_head.output_layer"
+    return name
+
+
 def _pre_hook(mod, args):
     global _module_depth_in_recompute
     if not _enabled:
         return None
-    name = module_name(mod)
+    name = _call_name(mod, module_name(mod))
+    _call_names.append(name)
+    if type(mod).__name__ == "MultiTokenPredictionLayer":
+        _mtp_layers.append(name)
     pushed_recompute = False
     if _recompute_depth > 0:
         if _module_depth_in_recompute == 0 and name:
@@ -152,11 +169,16 @@ def _pre_hook(mod, args):
 
 
 def _post_hook(mod, args, kwargs, output):
-    global _module_depth_in_recompute
+    global _module_depth_in_recompute, _mtp_heads_left
     import torch
     if not _enabled or not _pending_recompute_pops:
         return None
-    name = _names.get(id(mod), "")
+    name = _call_names.pop() if _call_names else _names.get(id(mod), "")
+    kind = type(mod).__name__
+    if kind == "MultiTokenPredictionLayer" and _mtp_layers:
+        _mtp_layers.pop()
+    elif kind == "MultiTokenPredictionBlock" and torch.is_grad_enabled():
+        _mtp_heads_left = len(mod.layers)
     if name and torch.is_grad_enabled():
         mark_backward(name, _first_tensor(args, kwargs), output)
     if name:
@@ -230,6 +252,8 @@ def _chunk_label(mb, chunk):
 def _wrap_forward_step(orig):
     @functools.wraps(orig)
     def forward_step(*args, **kwargs):
+        global _mtp_heads_left
+        _mtp_heads_left = 0
         chunk = kwargs.get("vp_stage")
         mb = kwargs.get("current_microbatch")
         if mb is None:
@@ -261,11 +285,14 @@ def _loss_scoped(orig):
     """compute_language_model_loss in a `loss` scope, its backward bracketed like a module's (mark_backward)."""
     @functools.wraps(orig)
     def compute_language_model_loss(self, labels, logits, *args, **kwargs):
+        global _mtp_heads_left
         import torch
-        with scope("loss"):
+        name = "mtp_head.loss" if _mtp_heads_left else "loss"     # (_call_name)
+        with scope(name):
             out = orig(self, labels, logits, *args, **kwargs)
         if torch.is_grad_enabled():
-            mark_backward("loss", logits, out)
+            mark_backward(name, logits, out)
+        _mtp_heads_left = max(_mtp_heads_left - 1, 0)
         return out
     compute_language_model_loss._memtrace_orig = orig
     return compute_language_model_loss

@@ -201,6 +201,62 @@ def mla_configs() -> list:
     return out
 
 
+# Multi-token prediction (DeepSeek-V3's, one MTP layer: --mtp-num-layers 1, as Megatron-LM's MTP tests): its block
+# on the loss's stage (the embedding of the shifted tokens, two norms, the projection of both joined, a transformer
+# layer, a norm) and the MTP loss head before the main one. On the Llama-style base over one process and TP 2 + SP,
+# with grouped-query attention over TP 2 without SP and PP 2 (both stages), in fp32 with TE's unfused attention,
+# with the fused cross entropy; on the GPT-style base (tied, learned positions, dropout, biases) over one process,
+# TP 2 + SP and PP 2, and on the local spec; and on DeepSeek-style layers: MLA, alone and with grouped-GEMM experts
+# over EP 4 with TP 2 + SP.
+MTP = {"--mtp-num-layers": 1}
+MTP_PLAN = [("llama", BASES["llama"], ("w1", "tp2_sp")), ("llama_gqa", BASES["llama_gqa"], ("tp2", "pp2")),
+            ("llama_fp32", {**{k: v for k, v in BASES["llama"].items() if k != "--bf16"}, **UNFUSED}, ("w1",)),
+            ("llama_cefusion", {**BASES["llama"], **CE}, ("w1", "tp2_sp")),
+            ("gpt", BASES["gpt"], ("w1", "tp2_sp", "pp2")),
+            ("gpt_local", {**BASES["gpt"], **LOCAL}, ("w1",))]
+
+
+def mtp_configs() -> list:
+    """MTP_PLAN's layouts at every SHAPES shape (two on the one-process variants), and MLA's: dense over one
+    process and with grouped-GEMM experts (all-to-all over EP 4, TP 2 + SP) at the first three MLA shapes."""
+    all_layouts = {**LAYOUTS, **NO_SP_LAYOUTS}
+    plan = [(f"mtp_{base}_{name}", {**flags, **all_layouts[name][2]}, all_layouts[name][:2],
+             SHAPES if len(names) > 1 else SHAPES[:2]) for base, flags, names in MTP_PLAN for name in names]
+    out = [_config(f"{base}_s{s}_b{b}_h{h}", shape, {**flags, **MTP}, world, ranks)
+           for base, flags, (world, ranks), shapes in plan for shape in shapes for s, b, h, *_ in [shape]]
+    fused = {k: v for k, v in MLA.items() if k != "--no-rope-fusion"}
+    for base, flags, (world, ranks, lflags) in (("mtp_mla_w1", fused, LAYOUTS["w1"]),
+                                                ("mtp_mla_moe_tp2_sp_ep4_a2a", fused,
+                                                 MLA_MOE_GG_LAYOUTS["tp2_sp_ep4_a2a"])):
+        flags = {**flags, **lflags}
+        tp = flags.get("--tensor-model-parallel-size", 1)
+        for s, b, h, a, ql, kl, dq, dr, dv, f, v in MLA_SHAPES[:3]:
+            sett = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
+                    "--kv-lora-rank": kl, "--qk-head-dim": dq, "--qk-pos-emb-head-dim": dr, "--v-head-dim": dv,
+                    "--ffn-hidden-size": f, "--vocab-size": v, "--num-layers": 2,
+                    "--global-batch-size": b * world // tp, "--q-lora-rank": ql,
+                    **{key: val for key, val in {**flags, **MTP}.items() if val is not True}}
+            out.append({"name": f"{base}_s{s}_b{b}_h{h}_q{ql}", "set": sett,
+                        "flags": [key for key, val in flags.items() if val is True],
+                        "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
+    return out
+
+
+def _config(name: str, shape: tuple, flags: dict, world: int, ranks: list) -> dict:
+    """One grid entry of a SHAPES shape: two layers, one micro-batch per data-parallel rank (two per stage under
+    PP); valued flags in `set`, switches (True) in `flags`."""
+    s, b, h, a, f, v = shape
+    tp = flags.get("--tensor-model-parallel-size", 1)
+    pp = flags.get("--pipeline-model-parallel-size", 1)
+    dp = world // (tp * pp)
+    sett = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
+            "--ffn-hidden-size": f, "--vocab-size": v, "--num-layers": 2,
+            "--global-batch-size": b * dp * (2 * pp if pp > 1 else 1),
+            **{key: val for key, val in flags.items() if val is not True}}
+    return {"name": name, "set": sett, "flags": [key for key, val in flags.items() if val is True],
+            "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]}
+
+
 def configs() -> list:
     out = []
     k = 0
@@ -227,18 +283,9 @@ def configs() -> list:
                     st = flags.get("--tensor-model-parallel-size", 1) if flags.get("--sequence-parallel") else 1
                     var = GG_VARIANTS[j]
                     flags = {**flags, **(var if (s * b // st) % var["--num-experts"] == 0 else GG_VARIANTS[0])}
-                tp = flags.get("--tensor-model-parallel-size", 1)
-                pp = flags.get("--pipeline-model-parallel-size", 1)
-                dp = world // (tp * pp)
-                sett = {"--seq-length": s, "--micro-batch-size": b, "--hidden-size": h, "--num-attention-heads": a,
-                        "--ffn-hidden-size": f, "--vocab-size": v, "--num-layers": 2,
-                        "--global-batch-size": b * dp * (2 * pp if pp > 1 else 1),
-                        **{key: val for key, val in flags.items() if val is not True}}
-                out.append({"name": f"{base}_{layout}_s{s}_b{b}_h{h}", "set": sett,
-                            "flags": [key for key, val in flags.items() if val is True],
-                            "nproc": world, "ranks": ranks, "launcher": ["--gpu-kernels"]})
+                out.append(_config(f"{base}_{layout}_s{s}_b{b}_h{h}", (s, b, h, a, f, v), flags, world, ranks))
             k += 1
-    return out + squared_relu_configs(out) + mla_configs()
+    return out + squared_relu_configs(out) + mla_configs() + mtp_configs()
 
 
 if __name__ == "__main__":

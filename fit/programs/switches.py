@@ -9,7 +9,7 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 
 # Switches most likely to change what an op allocates come first, so ties between equally good splits prefer them;
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
-ORDER = ("spec", "attention", "mla", "q_lora", "recompute", "moe", "moe_comm", "activation", "position",
+ORDER = ("spec", "attention", "mla", "q_lora", "mtp", "mtp_shared", "recompute", "moe", "moe_comm", "activation", "position",
          "normalization", "torch_norm", "gqa", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias",
          "tied", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy",
          "qcore", "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
@@ -35,7 +35,9 @@ def split_first(label: str) -> tuple:
 # dropout and its mask; a tensor of TP's all-reduce that gloo's thread releases late on some CPU runs is noise a
 # split by `tp` must not fit. Attention and the MLP see the layer's shape switches, their own kernels and, through
 # the layer spec (Transformer Engine fuses the norm into linear_qkv and linear_fc1), the norm type.
-_EMBEDDING = ("position", "dropout", "dropout_mask", "sp", "collectives", "mb1")
+# (and multi-token prediction's embedding of the same weight in the same chunk: its gradient is summed with the
+# main one's)
+_EMBEDDING = ("position", "dropout", "dropout_mask", "sp", "collectives", "mb1", "mtp_shared")
 _LAYER_PART = ("spec", "normalization", "torch_norm", "dtype", "sp", "tp", "collectives", "mb1")
 _MOE_CODE = ("spec", "dtype", "sp", "tp", "collectives", "moe_comm", "a2a", "le1", "epx", "torch_norm")
 RELEVANT = {
@@ -46,14 +48,24 @@ RELEVANT = {
     "embedding.position_embeddings": _EMBEDDING + ("tp", "dtype"),    # its table's gradient likewise, never tied
     # the logits and their gradient (TP: vocabulary-parallel), the input's gather under SP, the weight's gradient
     # (bf16: its fp32 copy; tied: kept for the embedding's backward)
-    "output_layer": ("spec", "dtype", "tied", "sp", "tp", "collectives", "mb1", "fuse_ce", "torch_norm"),
+    # (under multi-token prediction the main head reads a view of the MTP block's joined hidden states)
+    "output_layer": ("spec", "dtype", "tied", "sp", "tp", "collectives", "mb1", "fuse_ce", "torch_norm", "mtp",
+                     "mtp_shared"),
     # the cross entropy over the logits (fp32 under bf16; vocabulary-parallel under TP), then the root's own code
     # after it, which frees the loss head's inputs: the final norm's output (RMSNorm in bf16 keeps its fp32 copy)
     # and the position ids or rotary table
-    "loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "torch_norm"),
+    "loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "torch_norm", "mtp"),
     "step@loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "normalization", "position",
-                  "torch_norm"),
+                  "torch_norm", "mtp"),
     "embedding@": _EMBEDDING,
+    # multi-token prediction: its calls of the model's embedding (its weight's gradient summed with the main
+    # lookup's in one chunk: mtp_shared), its own code (the two norms, the projection of both joined, gathered over
+    # TP and scattered over SP, the final norm, the join of the hidden states), its loss head as the main one's
+    "mtp.layers.*.embedding": _EMBEDDING + ("tp", "dtype", "tied"),
+    "mtp": _LAYER_PART + ("mtp_shared", "dropout", "dropout_mask"),
+    "mtp_head.output_layer": ("spec", "dtype", "tied", "sp", "tp", "collectives", "mb1", "fuse_ce", "torch_norm",
+                              "mtp_shared"),
+    "mtp_head.loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "torch_norm", "mtp_shared"),
     "layers.*.self_attention": _LAYER_PART + ("attention", "mla", "q_lora", "position", "gqa", "qcopy", "qcore",
                                               "dropout", "dropout_mask", "softmax_fp32", "bias", "fuse_softmax",
                                               "fuse_rope", "scores"),
