@@ -86,6 +86,9 @@ class ComposedCache:
         # an MTP layer repeats the decoder's last layer's spec: an MoE layer where that one is
         pattern = getattr(cfg, "moe_layer_pattern", None)
         self._mtp_moe = bool(self.env["E"]) and bool(pattern()[-1] if callable(pattern) else True)
+        rg = cfg.get("recompute_granularity") if isinstance(cfg, dict) else getattr(cfg, "recompute_granularity", None)
+        method = cfg.get("recompute_method") if isinstance(cfg, dict) else getattr(cfg, "recompute_method", None)
+        self._mtp_checkpointed = rg == "full" and (method or "uniform") == "uniform"   # ('block': not checkpointed)
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input
@@ -237,6 +240,20 @@ class ComposedCache:
         at = kids.index("decoder") + 1 if "decoder" in kids else len(kids)
         return list(kids[:at]) + [MTP, *MTP_HEAD] + list(kids[at:])
 
+    def _mtp_expand(self, layer: int, sw: dict, out: list) -> None:
+        """An MTP layer. Under uniform full recompute megatron-core checkpoints all of it after its embedding (the
+        norms, the projection, the transformer layer, the final norm: MultiTokenPredictionLayer._checkpointed_forward)
+        as a decoder group of one layer: keeping its output across the forward, re-run in its backward."""
+        items: list = []
+        self._expand(MTP_LAYERS, layer, sw, items)
+        start = next((i for i, it in enumerate(items) if it[0] == MTP_LAYERS + ".enorm"), None)
+        if not self._mtp_checkpointed or start is None:
+            out += items
+            return
+        group = items[start:]
+        out += items[:start]
+        out.append(("ckpt", group, self.hidden, self.hidden, self.hidden, _after_mlp(group), self._mtp_moe, False))
+
     def _mtp_layer(self, layer: int, out: list) -> None:
         """An MTP layer's transformer layer: the decoder's last layer's kind, walked as a decoder layer."""
         moe = bool(self._mtp_moe)
@@ -303,7 +320,7 @@ class ComposedCache:
             n = self.local_experts if c.endswith(EXPERT) else int(self.env["D"]) if c == MTP_LAYERS else 1
             for i in range(n):
                 if c == MTP_LAYERS:
-                    self._expand(c, self._mtp_at + i, sw, out)
+                    self._mtp_expand(self._mtp_at + i, sw, out)
                     self._own(own_label(op, c), layer, sw, out, op=op)
                     continue
                 pos = None if n < 2 else "first" if i == 0 else "last" if i == n - 1 else None

@@ -154,9 +154,12 @@ def _check_measures(cfg, fset) -> None:
         from .args import ConfigError
         raise ConfigError(f"--mtp-num-layers {cfg.mtp_num_layers} cannot be estimated: no formula set measured more "
                           f"than one multi-token prediction layer")
+    used = [(switch, flag) for switch, (attr, flag) in _OWN_OPS.items() if getattr(cfg, attr, None)]
+    if not used:
+        return      # (the set's seen values are costly to gather the first time)
     seen = fset.seen_switch_values()
-    for switch, (attr, flag) in _OWN_OPS.items():
-        if getattr(cfg, attr, None) and True not in seen.get(switch, ()):
+    for switch, flag in used:
+        if True not in seen.get(switch, ()):
             from .args import ConfigError
             raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
                               f"it measured no run with it (use --formulas cpu_compose)")

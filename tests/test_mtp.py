@@ -47,9 +47,11 @@ def test_the_mtp_transformer_layer_allocates_as_a_decoder_layer(name):
 
 @pytest.mark.parametrize("name", ["ho_mtp_llama_tp4_sp_s128_b1", "ho_mtp_llama_gqa_pp2_l6_s80_b3",
                                   "ho_mtp_gpt_tp2_pp2_dp2_do_s112_b2", "ho_mtp_mla_moe_tp2_sp_ep4_s128",
-                                  "ho_mtp_llama_selective_s72_b2", "ho_mtp_gpt_cefusion_s128_b2"])
+                                  "ho_mtp_llama_selective_s72_b2", "ho_mtp_gpt_cefusion_s128_b2",
+                                  "ho_mtp_llama_gqa_pp4_vpp2_last_s96_b2", "ho_mtp_llama_full_s80_b2"])
 def test_mtp_runs_the_fit_never_saw(name):
-    """MTP configs outside the campaign (fit/grids/make_cpu_mtp_heldout.py): within 1% of the tracing allocator's
+    """MTP configs outside the campaign (fit/grids/make_cpu_mtp_heldout.py), selective and full recompute (MTP's
+    layer checkpointed after its embedding) composed from the plain layer: within 1% of the tracing allocator's
     peak on every traced rank."""
     from estimator import formulas as F
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

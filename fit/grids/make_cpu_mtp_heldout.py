@@ -1,9 +1,10 @@
 """Writes fit/grids/cpu_mtp_heldout.json: multi-token prediction configs the program fit never sees, on the GPU
 kernels' CPU stand-ins (fake process group), to judge the composition (benchmarks/packed_runs.py
 fit/traces/cpu_mtp_heldout): shapes outside the campaign's (a longer sequence, micro-batches of three, wider and
-narrower heads), TP 4 + SP, PP 2 over six layers with grouped-query attention, the distributed optimizer over TP 2 x PP 2 x DP 2, selective
-recompute (composed from the plain layer), the fused cross entropy on the tied GPT-style base, and DeepSeek-style
-layers (MLA, a dense first layer, grouped-GEMM experts top 3 over EP 4 with TP 2 + SP).
+narrower heads), TP 4 + SP, PP 2 over six layers with grouped-query attention, the last of PP 4 x 2 virtual stages,
+the distributed optimizer over TP 2 x PP 2 x DP 2, selective and full recompute (composed from the plain layer), the
+fused cross entropy on the tied GPT-style base, and DeepSeek-style layers (MLA, a dense first layer, grouped-GEMM
+experts top 3 over EP 4 with TP 2 + SP).
 Run: python fit/grids/make_cpu_mtp_heldout.py
 """
 import copy
@@ -32,6 +33,17 @@ HELD_OUT = {
                                    ("--sequence-parallel", "--use-distributed-optimizer")),
     "gpt_cefusion_s128_b2": ("mtp_gpt_w1_s64_b2_h128", 1, [0], dict(zip(SHAPE, (128, 2, 96, 4, 256, 640))),
                              ("--cross-entropy-loss-fusion",)),
+    # the last of PP 4 x 2 virtual stages (MTP on the model's last chunk), one layer per chunk
+    "llama_gqa_pp4_vpp2_last_s96_b2": ("mtp_llama_gqa_pp2_s64_b2_h128", 4, [3],
+                                       dict(zip(SHAPE, (96, 2, 128, 8, 352, 512)),
+                                            **{"--pipeline-model-parallel-size": 4, "--num-layers": 8,
+                                               "--num-layers-per-virtual-pipeline-stage": 1,
+                                               "--global-batch-size": 16}), ()),
+    # full recompute: MTP's layer is checkpointed too (uniform, one layer; composed without that checkpoint)
+    "llama_full_s80_b2": ("mtp_llama_w1_s64_b2_h128", 1, [0],
+                          dict(zip(SHAPE, (80, 2, 96, 4, 256, 448)), **{"--recompute-granularity": "full",
+                                                                        "--recompute-method": "uniform",
+                                                                        "--recompute-num-layers": 1}), ()),
     "mla_moe_tp2_sp_ep4_s128": ("mtp_mla_moe_tp2_sp_ep4_a2a_s64_b2_h128_q48", 8, [0],
                                 {"--seq-length": 128, "--micro-batch-size": 1, "--hidden-size": 192,
                                  "--num-attention-heads": 8, "--q-lora-rank": 96, "--kv-lora-rank": 32,
