@@ -136,6 +136,7 @@ class TrainingConfig:
     grad_reduce_in_bf16: bool = False
     # --- recompute ---
     recompute_granularity: Optional[str] = None
+    recompute_modules: Optional[list] = None    # selective recompute's modules (None: megatron-core's core_attn)
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     recompute_activations: bool = False
@@ -344,6 +345,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--accumulate-allreduce-grads-in-fp32": ("accumulate_allreduce_grads_in_fp32", "true"),
     "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", "true"),
     "--recompute-granularity": ("recompute_granularity", "str"),
+    "--recompute-modules": ("recompute_modules", "list"),
     "--recompute-method": ("recompute_method", "str"),
     "--recompute-num-layers": ("recompute_num_layers", "int"),
     "--recompute-activations": ("recompute_activations", "true"),
@@ -898,7 +900,42 @@ def _validate_pipeline(cfg: TrainingConfig) -> None:
                           f"be divisible by virtual pipeline parallel degree {vpp}")
 
 
+# megatron-core 0.16.1's selective recompute modules (TransformerConfig.recompute_modules), and those the estimator
+# composes (estimator.compose): the others stop in one line
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
+
+
+def recompute_modules(cfg) -> tuple:
+    """The modules selective recompute re-runs (megatron-core's default: core attention); none without it."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    if get("recompute_granularity") != "selective":
+        return ()
+    return tuple(get("recompute_modules") or ("core_attn",))
+
+
+def _validate_recompute_modules(cfg: TrainingConfig) -> None:
+    """megatron-core's checks of --recompute-modules (TransformerConfig.__post_init__), then what is modelled."""
+    if cfg.recompute_modules is None:
+        return
+    bad = sorted(set(cfg.recompute_modules) - set(RECOMPUTE_MODULES))
+    if bad:
+        raise ConfigError(f"Invalid choices for recompute_modules: {bad}. Allowed modules are: "
+                          f"{list(RECOMPUTE_MODULES)}")
+    if cfg.recompute_granularity != "selective":
+        return
+    if "moe_act" in cfg.recompute_modules and not cfg.moe_grouped_gemm:
+        raise ConfigError("moe_act in recompute_modules is only supported with moe_grouped_gemm.")
+    if "mla_up_proj" in cfg.recompute_modules and not cfg.multi_latent_attention:
+        raise ConfigError("mla_up_proj in recompute_modules is only supported with multi_latent_attention.")
+    unmodelled = [m for m in cfg.recompute_modules if m not in MODELLED_RECOMPUTE_MODULES]
+    if unmodelled:
+        raise ConfigError(f"--recompute-modules {' '.join(unmodelled)} changes memory and cannot be estimated: "
+                          f"selective recompute of {', '.join(unmodelled)} is not modelled")
+
+
 def _validate_recompute(cfg: TrainingConfig) -> None:
+    _validate_recompute_modules(cfg)
     if cfg.distribute_saved_activations:
         if cfg.tensor_model_parallel_size <= 1:
             raise ConfigError("can distribute recomputed activations only across tensor model parallel groups")

@@ -23,6 +23,7 @@ from collections import ChainMap
 from . import formulas as F
 from .formulas import STRUCTURE_SWITCHES
 from . import moe_tokens, transforms
+from .args import recompute_modules
 
 ROOT = "step"
 FIRST_ONLY = ("data.tokens", "embedding")
@@ -56,7 +57,9 @@ class ComposedCache:
         # Full and selective recompute are composed from the plain layer's segments (checkpoint groups in
         # `sequence`), so a layer's segments are always those measured without recompute.
         self.sw = dict(F.switches(cfg, self.env))
-        self.selective = self.sw["recompute"] == "selective"
+        # selective recompute's modules (megatron-core's recompute_modules; core attention by default)
+        self.recompute_modules = recompute_modules(cfg)
+        self.selective = "core_attn" in self.recompute_modules
         self.sw["recompute"] = "none"
         e, s, b, h, st = (self.env[k] for k in ("e", "s", "b", "h", "st"))
         self.hidden = e * s * b * h / st
@@ -308,8 +311,8 @@ class ComposedCache:
                 instance: str | None = None) -> None:
         """instance: "first" | "last" of a repeated child (a SequentialMLP's local experts), passed to its ops."""
         self._own(op, layer, sw, out, expert=expert, instance=instance)
-        ckpt_at, deferred = None, 0.0     # where core attention's checkpoint sits in `out`, what it holds back
-        not_held = self.query_copy        # of the frees after it, the bytes the checkpoint does not hold
+        ckpt_at, deferred = None, 0.0     # where a child's checkpoint sits in `out`, what it holds back
+        not_held = 0.0                    # of the frees after it, the bytes the checkpoint does not hold
         for c in self.children(op, sw):
             if c == MTP_LAYER:
                 self._mtp_layer(layer, out)
@@ -328,20 +331,60 @@ class ComposedCache:
                 share = expert
                 if c.endswith(EXPERT) and sw["moe"] and self.routing.scales:
                     share = self.routing.busiest if i == n - 1 else self.routing.rest
-                if c == SELECTIVE_OP and self.selective:
+                checkpointed = self._checkpointed(c, sw)
+                if checkpointed and ckpt_at is None:
                     group: list = []
                     self._expand(c, layer, sw, group, share, inst)
-                    ckpt_at = len(out)
+                    ckpt_at, ckpt_kind = len(out), checkpointed
                     out.append(("ckpt", group))     # completed below, once the frees it holds back are known
+                    # (core attention's parent keeps a copied query that the checkpoint does not hold; after a
+                    # module's checkpoint its parent frees the module's output, which the checkpoint made anew)
+                    not_held = self.query_copy if checkpointed == "core_attn" else self.hidden
                 else:
                     self._expand(c, layer, sw, out, share, inst)
+                self._discard(op, c, out)
                 start = len(out)
                 self._own(own_label(op, c), layer, sw, out, op=op, expert=expert, instance=inst)
                 if ckpt_at is not None:
                     held, not_held = _defer_frees(out, start, not_held)
                     deferred += held
-        if ckpt_at is not None:
+        if ckpt_at is None:
+            return
+        if ckpt_kind == "core_attn":
             out[ckpt_at] += (self.context, self.context + deferred, self.context + self.value_hold, 1)
+        else:   # a module's output (one hidden state) kept across the forward, its gradient held in its backward
+            out[ckpt_at] += (self.hidden, self.hidden + deferred, self.hidden, 1)
+
+    def _discard(self, op: str, child: str, out: list) -> None:
+        """megatron-core's output-discarding recompute (CheckpointWithoutOutput: `layernorm`, `moe_act`): the
+        module runs without saving for its backward, and once its consumer `child` has run forward, its output's
+        storage is released; its consumer's backward first re-runs it. So what the module's segment kept leaves the
+        level right after the consumer's forward and comes back, with the module's forward transient, right before
+        the consumer's backward (an item whose backward runs there)."""
+        label = _DISCARDED.get((op, child))
+        if label is None or _DISCARD_MODULE[label] not in self.recompute_modules:
+            return
+        kept = next((it for it in reversed(out) if it[0] == label), None)
+        if kept is None:
+            return      # a norm the spec fuses into the linear after it (Transformer Engine's)
+        fd, fp = kept[1][0], kept[1][1]
+        if fd > 0:
+            out.append((label, (-fd, 0.0, fd, fp, kept[1][4]), label, kept[3]))
+
+    def _checkpointed(self, op: str, sw: dict):
+        """The selective recompute module (megatron-core's recompute_modules) that checkpoints op, if any:
+        core attention, a dense layer's MLP (`mlp`), an MoE layer's whole MLP (`moe`), its shared experts."""
+        modules = self.recompute_modules
+        if not modules:
+            return None
+        if op == SELECTIVE_OP:
+            return "core_attn" if "core_attn" in modules else None
+        if op == LAYER + ".mlp":
+            return "moe" if sw["moe"] and "moe" in modules else "mlp" if not sw["moe"] and "mlp" in modules \
+                else None
+        if op == LAYER + ".mlp.shared_experts" and "shared_experts" in modules and "moe" not in modules:
+            return "shared_experts"
+        return None
 
     def _own(self, label: str, layer, sw: dict, out: list, op: str | None = None,
              expert: float | None = None, first: bool = False, instance: str | None = None) -> None:
@@ -353,6 +396,15 @@ class ComposedCache:
             tokens = expert if expert is not None and moe_tokens.per_expert(label) else self.routing.rank
         first = first or (layer == 0 and self._first_chunk)
         out.append((label, self.values(label, sw, tokens, first, instance), op or label, layer))
+
+
+# Output-discarding recompute (ComposedCache._discard): (parent op, the child after whose forward the output goes)
+# -> the segment whose kept bytes go; and the recompute module that does it.
+_DISCARDED = {(LAYER, LAYER + ".self_attention"): LAYER + ".input_layernorm",
+              (LAYER, LAYER + ".mlp"): LAYER + ".pre_mlp_layernorm",
+              (LAYER + ".mlp.experts", LAYER + ".mlp.experts.linear_fc2"): LAYER + ".mlp.experts@linear_fc1"}
+_DISCARD_MODULE = {LAYER + ".input_layernorm": "layernorm", LAYER + ".pre_mlp_layernorm": "layernorm",
+                   LAYER + ".mlp.experts@linear_fc1": "moe_act"}
 
 
 def _renumbered(items: list, old: int, new: int) -> list:

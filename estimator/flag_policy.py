@@ -98,7 +98,6 @@ REFUSED_UNLESS = {
     "--cp-comm-type": (("p2p",), "context-parallel communication other than p2p is not modelled"),
     "--outer-dp-sharding-strategy": (("no_shard",), "hybrid sharded data parallelism is not modelled"),
     "--num-distributed-optimizer-instances": (("1",), "several distributed-optimizer instances are not modelled"),
-    "--recompute-modules": (("core_attn",), "selective recompute of modules other than core_attn is not modelled"),
     "--decoder-seq-length": ((), "encoder-decoder models are not modelled"),
     "--encoder-seq-length": ((), "pass --seq-length (the same value for a GPT model)"),
     "--main-grads-dtype": (("fp32",), "main gradients in a dtype other than fp32 are not modelled"),

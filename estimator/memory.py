@@ -148,6 +148,15 @@ _OWN_OPS = {"mla": ("multi_latent_attention", "--multi-latent-attention"),
 
 
 def _check_measures(cfg, fset) -> None:
+    from .args import recompute_modules
+    modules = sorted(set(recompute_modules(cfg)) - {"core_attn"})
+    if modules and fset.programs is None and not fset.composed:
+        # selective recompute of other modules is composed from the layer's programs; the per-op modelled set
+        # has selective recompute of core attention only
+        from .args import ConfigError
+        raise ConfigError(f"--recompute-modules {' '.join(modules)} changes memory and cannot be estimated with "
+                          f"formula set {fset.name!r}: its layers have no programs to compose it from (use "
+                          f"--formulas cpu_compose)")
     if (getattr(cfg, "mtp_num_layers", None) or 0) > 1:
         # each MTP layer's loss head frees other tensors than the first's (the last to run frees the block's
         # joined hidden states): the traced runs have one MTP layer

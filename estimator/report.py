@@ -5,6 +5,7 @@ Text uses explicit binary units (MiB, GiB = 2^30 bytes); JSON carries plain inte
 from __future__ import annotations
 
 from estimator import features, moe_tokens
+from estimator.args import recompute_modules
 
 JSON_FORMAT = "megatron-memtrace-estimate"
 JSON_VERSION = 1
@@ -131,6 +132,8 @@ def _describe(cfg) -> list[str]:
     recompute = cfg.recompute_granularity or "none"
     if recompute == "full":
         recompute += f" ({cfg.recompute_method}, {cfg.recompute_num_layers} layers)"
+    elif recompute == "selective":
+        recompute += f" ({', '.join(recompute_modules(cfg))})"
     vp = cfg.virtual_pipeline_model_parallel_size
     routing = [f"MoE routing  {moe_tokens.routing(cfg).describe()}"] if cfg.is_moe else []
     return [

@@ -5,6 +5,7 @@ modelled set counts them itself."""
 from __future__ import annotations
 
 from . import formulas as F
+from .args import recompute_modules
 from .transforms import layer_transform
 
 LABEL = "layers.*.mlp.shared_experts"
@@ -18,4 +19,8 @@ def layer_row(cfg, env: dict, moe: bool, modelled: bool):
     if formula is None:
         return None
     saved, fwd, bwd = formula.evaluate(env)
+    if {"shared_experts", "moe"} & set(recompute_modules(cfg)):
+        # checkpointed (alone, or with the whole MoE layer): its input is the router's, it keeps nothing else; its
+        # backward re-runs its forward first
+        return (LABEL, 0.0, fwd, saved + bwd)
     return (LABEL, saved, fwd, bwd)

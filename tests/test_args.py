@@ -190,9 +190,29 @@ def test_multi_latent_attention_refuses_what_megatron_refuses(flags, message):
         parse(flags)
 
 
+@pytest.mark.parametrize("flags,message", [
+    ("--recompute-granularity selective --recompute-modules core_attn mla_up_proj --multi-latent-attention "
+     "--transformer-impl transformer_engine", "--recompute-modules mla_up_proj changes memory and cannot be estimated"),
+    ("--recompute-granularity selective --recompute-modules moe_act --num-experts 4",
+     "moe_act in recompute_modules is only supported with moe_grouped_gemm"),
+    ("--recompute-granularity selective --recompute-modules mla_up_proj", "only supported with multi_latent_attention"),
+    ("--recompute-modules attention", "Invalid choices for recompute_modules"),
+])
+def test_recompute_modules_refuse_what_megatron_refuses_and_what_is_not_modelled(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(flags)
+
+
+def test_recompute_modules_parse():
+    from estimator.args import recompute_modules
+    cfg = parse("--recompute-granularity selective --recompute-modules mlp layernorm")
+    assert recompute_modules(cfg) == ("mlp", "layernorm") and "--recompute-modules" not in cfg.ignored_args
+    assert recompute_modules(parse("--recompute-granularity selective")) == ("core_attn",)
+    assert recompute_modules(parse("--recompute-modules mlp")) == ()     # without selective recompute: none
+
+
 def test_refused_unless_default_values_pass():
-    cfg = parse("--cp-comm-type p2p --outer-dp-sharding-strategy no_shard --cuda-graph-impl none "
-                "--recompute-modules core_attn")
+    cfg = parse("--cp-comm-type p2p --outer-dp-sharding-strategy no_shard --cuda-graph-impl none")
     assert "--cp-comm-type" in cfg.ignored_args
 
 

@@ -13,6 +13,7 @@ masked-softmax and RoPE extensions absent); there the flash stand-in runs torch'
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -1045,11 +1046,34 @@ def rope_kernel_present() -> bool:
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
+def _install_fp8_state() -> None:
+    """megatron-core 0.16.1's CheckpointWithoutOutput (the layernorm and moe_act recompute modules) asks TE's fp8
+    state even without fp8 (its `fp8 is not None` holds for False), and a process without Transformer Engine has
+    none: fp8 off, and TE's recompute-phase and fp8 contexts, which only tell TE's fp8 modules the phase, null
+    ones."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class FP8GlobalStateManager:
+        @staticmethod
+        def is_fp8_enabled():
+            return False
+
+        @staticmethod
+        def get_fp8_recipe():
+            return None
+
+    mrandom.FP8GlobalStateManager = FP8GlobalStateManager
+    mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+    mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
+
+
 def install(tconfig, cfg, on_gpu: bool = False) -> dict:
     """Patch megatron-core so this process runs what a GPU runs for `cfg`'s flags (estimator.formulas.kernels);
     returns the kernel switches in effect (recorded in the trace header). `tconfig` gets the fusion flags the
     kernels serve. On a GPU, a family is replaced only where its real kernel is missing."""
     k = kernel_switches(cfg)
+    if not _importable("transformer_engine"):
+        _install_fp8_state()
     if k["dropout_mask"] == "byte" and not on_gpu:
         torch.nn.functional.dropout = _byte_mask_dropout(torch.nn.functional.dropout)
     if k["fuse_softmax"] and not (on_gpu and softmax_kernel_present()):
