@@ -538,7 +538,10 @@ def tokenize(argv: list[str]) -> tuple:
     if "hf_config" in given:
         # The HF file describes the model; flags given explicitly on the command line still win.
         from estimator import hf_config  # only with --hf-config
-        given = {**hf_config.load_model_fields(given["hf_config"], ConfigError), **given}
+        fields = hf_config.load_model_fields(given["hf_config"], ConfigError)
+        # the file's keys the estimate does not use are listed with the ignored flags
+        ignored = ignored + [f"{given['hf_config']}:{k}" for k in fields.pop(hf_config.UNUSED_KEY, [])]
+        given = {**fields, **given}
     return given, ignored, conservative
 
 

@@ -60,7 +60,7 @@ MEMTRACE_ARGS="--gpu-memory H100-80GB --json" bash estimate.sh
   --preset NAME           prepend a bundled model preset's flags (your flags after it win):
                           {presets}
   --hf-config FILE        the model shape from a HuggingFace config.json (Llama, Mistral, Mixtral,
-                          Qwen2, GPT-2)
+                          Qwen2/3 and their MoE, DeepSeek-V2/V3, GPT-2)
   --moe-imbalance F       dropless MoE: assume no expert receives more than F times its balanced
                           share of routed tokens (F >= 1; default {imb:g}, the bound a fresh
                           router's natural routing stayed within: README, Accuracy); with

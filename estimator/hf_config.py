@@ -1,8 +1,9 @@
 """A HuggingFace `config.json` -> Megatron model fields (TrainingConfig dest names).
 
-Covers the decoder families Megatron trains from HF checkpoints: Llama / Mistral / Qwen2 (rope, RMSNorm, swiglu,
-no linear biases, GQA), Mixtral and Qwen2-MoE (plus experts), and GPT-2 (learned positions, LayerNorm, gelu, biases,
-tied embeddings). Only the fields that shape the model are returned; batch, parallelism and precision stay flags.
+Covers the decoder families Megatron trains from HF checkpoints: Llama / Mistral / Qwen2 / Qwen3 (rope, RMSNorm,
+swiglu, no linear biases, GQA), Mixtral, Qwen2-MoE and Qwen3-MoE (plus experts), DeepSeek-V2 / V3 (multi-latent
+attention, dense then MoE layers with shared experts, multi-token prediction) and GPT-2 (learned positions,
+LayerNorm, gelu, biases, tied embeddings). Only the fields that shape the model are returned; batch, parallelism and precision stay flags.
 """
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def _num(hf: dict, key: str, dest: str, default: Any = _REQUIRED) -> Any:
     return V.check_value(dest, value, ValueError, where=repr(key))
 
 
+def _count(hf: dict, key: str, default: int) -> int:
+    """hf[key] as a count of layers (0 allowed); `default` when absent or null."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if value.__class__ is not int or value < 0:
+        raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def _flag(hf: dict, key: str, default: bool) -> bool:
     value = hf.get(key, default)
     if value.__class__ is not bool:   # "false" is a true string: refused rather than read the wrong way
@@ -74,9 +85,56 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     model_type = _name(hf, "model_type", None)
     if model_type in _GPT2_LIKE or (model_type is None and "n_embd" in hf):
         return _gpt2_fields(hf)
+    if model_type in _DEEPSEEK_LIKE:
+        return _deepseek_fields(hf)
     if model_type in _LLAMA_LIKE or (model_type is None and "num_hidden_layers" in hf):
         return _llama_fields(hf)
-    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, gpt2)")
+    raise ValueError(f"model_type {model_type!r} is not supported (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, "
+                     f"qwen3_moe, deepseek_v2, deepseek_v3, gpt2)")
+
+
+_DEEPSEEK_LIKE = {"deepseek_v2", "deepseek_v3"}
+# DeepSeek's router options: they change only the router's transients (tokens x experts), which the estimate takes
+# from softmax top-k routing; listed as unused (UNUSED_KEY)
+_DEEPSEEK_ROUTING = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")
+UNUSED_KEY = "_hf_unused"   # the model fields' list of the file's keys the estimate does not use
+
+
+def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 (multi-latent attention with latent norms, MoE after `first_k_dense_replace` dense layers,
+    shared experts, multi-token prediction layers) as Megatron-LM's flags for them."""
+    fields = _llama_fields(dict(hf, model_type="llama", num_key_value_heads=None, head_dim=None,
+                                num_local_experts=None, num_experts=None))
+    fields.update(
+        group_query_attention=False, num_query_groups=None, multi_latent_attention=True, qk_layernorm=True,
+        q_lora_rank=_num(hf, "q_lora_rank", "q_lora_rank", None),
+        kv_lora_rank=_num(hf, "kv_lora_rank", "kv_lora_rank"),
+        qk_head_dim=_num(hf, "qk_nope_head_dim", "qk_head_dim"),
+        qk_pos_emb_head_dim=_num(hf, "qk_rope_head_dim", "qk_pos_emb_head_dim"),
+        v_head_dim=_num(hf, "v_head_dim", "v_head_dim"))
+    scaling = hf.get("rope_scaling")
+    if isinstance(scaling, dict) and (scaling.get("type") or scaling.get("rope_type")) == "yarn":
+        fields.update(rope_type="yarn", rotary_scaling_factor=float(_num(scaling, "factor", "rotary_scaling_factor")),
+                      mscale=float(_num(scaling, "mscale", "mscale", 1.0)),
+                      mscale_all_dim=float(_num(scaling, "mscale_all_dim", "mscale_all_dim", 0.0)))
+    else:
+        fields["rope_type"] = "rope"
+    experts = _num(hf, "n_routed_experts", "num_experts", None)
+    if experts:
+        moe_ffn = _num(hf, "moe_intermediate_size", "moe_ffn_hidden_size")
+        dense, step = _count(hf, "first_k_dense_replace", 0), _count(hf, "moe_layer_freq", 1) or 1
+        layers = fields["num_layers"]
+        fields.update(num_experts=experts, moe_router_topk=_num(hf, "num_experts_per_tok", "moe_router_topk"),
+                      moe_ffn_hidden_size=moe_ffn,
+                      moe_layer_freq=[int(i >= dense and i % step == 0) for i in range(layers)])
+        shared = _count(hf, "n_shared_experts", 0)
+        if shared:
+            fields["moe_shared_expert_intermediate_size"] = shared * moe_ffn
+    mtp = _count(hf, "num_nextn_predict_layers", 0)
+    if mtp:
+        fields["mtp_num_layers"] = mtp
+    fields[UNUSED_KEY] = [k for k in _DEEPSEEK_ROUTING if hf.get(k) is not None]
+    return fields
 
 
 def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,9 @@ _INTS = {
     "vocab_size": (1, DIM_LIMIT), "make_vocab_size_divisible_by": (1, DIM_LIMIT),
     "num_experts": (1, COUNT_LIMIT), "moe_router_topk": (1, COUNT_LIMIT), "moe_ffn_hidden_size": (1, DIM_LIMIT),
     "moe_shared_expert_intermediate_size": (1, DIM_LIMIT),
+    # multi-latent attention's ranks and head widths, multi-token prediction's layers
+    "q_lora_rank": (1, DIM_LIMIT), "kv_lora_rank": (1, DIM_LIMIT), "qk_head_dim": (1, DIM_LIMIT),
+    "qk_pos_emb_head_dim": (1, DIM_LIMIT), "v_head_dim": (1, DIM_LIMIT), "mtp_num_layers": (1, LAYER_LIMIT),
     "tensor_model_parallel_size": (1, COUNT_LIMIT), "pipeline_model_parallel_size": (1, COUNT_LIMIT),
     "context_parallel_size": (1, COUNT_LIMIT), "expert_model_parallel_size": (1, COUNT_LIMIT),
     "expert_tensor_parallel_size": (1, COUNT_LIMIT),
@@ -58,6 +61,8 @@ _FLOATS = {
     "hidden_dropout": (0.0, 1.0, True), "attention_dropout": (0.0, 1.0, True),
     "rotary_percent": (0.0, 1.0, False), "norm_epsilon": (0.0, math.inf, True),
     "moe_imbalance": (1.0, math.inf, True),   # a bound on routed tokens relative to balanced (estimator.moe_tokens)
+    "rotary_scaling_factor": (0.0, math.inf, False), "mscale": (0.0, math.inf, True),
+    "mscale_all_dim": (0.0, math.inf, True),
 }
 
 

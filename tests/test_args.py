@@ -428,6 +428,44 @@ def test_hf_config_mixtral_qwen_gpt2(tmp_path):
     assert configs["gpt2"].position_embedding_type == "learned_absolute"
 
 
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3 on the HF hub), the fields that shape the model and its router's
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+               "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+               "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+               "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+               "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+               "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+               "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "type": "yarn"},
+               "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+               "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128,
+               "vocab_size": 129280}
+
+
+def test_hf_config_deepseek_v3_is_the_preset_and_names_what_it_does_not_use(tmp_path):
+    """DeepSeek-V3's config.json: multi-latent attention with its latents' norms, three dense layers then MoE with
+    one shared expert, one MTP layer, YaRN; the same model as `--preset deepseek_v3`, parameter for parameter, and
+    without its MTP layer the report's 671B (DeepSeek-V3 technical report, arXiv 2412.19437). Its router options
+    are listed as unused; DeepSeek-V2-Lite's form (no query latent) reads too."""
+    from estimator.model import model_total_params
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    run = "--seq-length 4096 --micro-batch-size 1 --transformer-impl transformer_engine"
+    cfg = parse_args(shlex.split(f"--hf-config {path} {run}"))
+    assert cfg.multi_latent_attention and cfg.qk_layernorm and cfg.q_lora_rank == 1536 and cfg.mtp_num_layers == 1
+    assert cfg.moe_layer_freq[:4] == [0, 0, 0, 1] and cfg.moe_shared_expert_intermediate_size == 2048
+    assert cfg.rope_type == "yarn" and cfg.rotary_scaling_factor == 40
+    assert sorted(a.split(":")[-1] for a in cfg.ignored_args) == sorted(
+        ["scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob"])
+    from estimator.cli import _preset_flags
+    assert model_total_params(cfg) == model_total_params(parse_args(_preset_flags("deepseek_v3") + shlex.split(run)))
+    path.write_text(json.dumps({k: v for k, v in DEEPSEEK_V3.items() if k != "num_nextn_predict_layers"}))
+    assert abs(model_total_params(parse_args(shlex.split(f"--hf-config {path} {run}"))) / 671e9 - 1) < 0.001
+    lite = dict(DEEPSEEK_V3, model_type="deepseek_v2", q_lora_rank=None, num_hidden_layers=27, first_k_dense_replace=1)
+    path.write_text(json.dumps(lite))
+    assert parse_args(shlex.split(f"--hf-config {path} {run}")).q_lora_rank is None
+
+
 def test_hf_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         parse(f"--hf-config {tmp_path}/missing.json")
