@@ -105,7 +105,8 @@ def test_presets_all_run():
     from estimator.cli import presets
     names = presets()
     assert {"gpt3_175b", "llama2_7b", "llama2_70b", "llama3_8b", "llama3_70b", "mixtral_8x7b",
-            "qwen2.5_72b", "qwen3_30b_a3b", "qwen3_235b_a22b", "nemotron4_15b", "deepseek_v3"} <= set(names)
+            "qwen2.5_72b", "qwen3_30b_a3b", "qwen3_235b_a22b", "nemotron4_15b", "deepseek_v3",
+            "gpt_oss_120b"} <= set(names)
     for name in names:
         with open(os.path.join(ROOT, "estimator", "presets", f"{name}.json"), encoding="utf-8") as fh:
             args = json.load(fh)["args"]
