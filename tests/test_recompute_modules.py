@@ -48,3 +48,4 @@ def test_each_module_lowers_the_estimate_and_the_modelled_set_refuses_them():
     with pytest.raises(ConfigError, match="--recompute-modules moe_act changes memory .* 'modelled'") as err:
         peak(["core_attn", "moe_act"], "--formulas", "modelled")
     assert "\n" not in str(err.value)
+
