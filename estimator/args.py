@@ -93,6 +93,7 @@ class TrainingConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # derived: ffn_hidden_size when MoE
     moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False    # a sigmoid gate (one weight row) on the shared experts' output
     moe_layer_freq: Any = 1  # int N (one MoE layer every N) or an explicit 0/1 list per layer
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None  # derived: TP
@@ -309,6 +310,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--moe-router-topk": ("moe_router_topk", "int"),
     "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", "int"),
     "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", "int"),
+    "--moe-shared-expert-gate": ("moe_shared_expert_gate", "true"),
     "--moe-layer-freq": ("moe_layer_freq", "layer_freq"),
     "--expert-model-parallel-size": ("expert_model_parallel_size", "int"),
     "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", "int"),

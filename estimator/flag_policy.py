@@ -39,7 +39,6 @@ REFUSED = {
     "--fp4-quantizer-factory": "fp4 training is not modelled",
     "--te-precision-config-file": "per-module precision from a file is not modelled",
     "--reuse-grad-buf-for-mxfp8-param-ag": "reusing the grad buffer for the mxfp8 param all-gather is not modelled",
-    "--moe-shared-expert-gate": "the shared-expert gate's parameters are not modelled",
     "--moe-enable-deepep": "DeepEP dispatch buffers are not modelled",
     "--moe-layer-recompute": "MoE layer recompute is not modelled",
     "--moe-apply-probs-on-input": "applying router probabilities on the input is not modelled",

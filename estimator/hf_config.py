@@ -186,6 +186,8 @@ def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
         shared = _num(hf, "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", None)
         if shared:
             fields["moe_shared_expert_intermediate_size"] = shared
+            # Qwen2-MoE's shared expert sits behind a sigmoid gate (its shared_expert_gate, one row)
+            fields["moe_shared_expert_gate"] = model_type == "qwen2_moe"
         step = _num(hf, "decoder_sparse_step", "num_layers", 1)   # a layer count: one MoE layer every `step`
         if step != 1:
             fields["moe_layer_freq"] = step

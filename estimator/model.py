@@ -205,6 +205,8 @@ def _moe_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
     ops += _mlp_ops(cfg, "layers.*.mlp.experts", layer, cfg.moe_ffn_hidden_size, cfg.expert_tensor_parallel_size,
                     count=local_experts, is_expert=True)
     if cfg.moe_shared_expert_intermediate_size:
+        if cfg.moe_shared_expert_gate:     # SharedExpertMLP.gate_weight [1, h], replicated
+            ops.append(OpParams("layers.*.mlp.shared_experts", layer, ((1, cfg.hidden_size),)))
         ops += _mlp_ops(cfg, "layers.*.mlp.shared_experts", layer, cfg.moe_shared_expert_intermediate_size,
                         cfg.tensor_model_parallel_size)
     return ops

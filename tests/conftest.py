@@ -100,6 +100,7 @@ def transformer_config(cfg):
         kwargs.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_layer_freq=cfg.moe_layer_freq,
                       moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                      moe_shared_expert_gate=cfg.moe_shared_expert_gate,
                       moe_grouped_gemm=False,
                       # Dispatchers hold no parameters; alltoall's constructor needs a CUDA stream, allgather's not.
                       moe_token_dispatcher_type="allgather")

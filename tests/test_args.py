@@ -423,6 +423,12 @@ def test_hf_config_mixtral_qwen_gpt2(tmp_path):
     assert configs["mixtral"].num_experts == mixtral["num_local_experts"]
     assert configs["mixtral"].moe_ffn_hidden_size == mixtral["intermediate_size"]
     assert configs["qwen"].add_qkv_bias and not configs["qwen"].add_bias_linear
+    qwen_moe = dict(mixtral, model_type="qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=96)
+    del qwen_moe["num_local_experts"]
+    qwen_moe["num_experts"] = 8
+    (tmp_path / "qwen_moe.json").write_text(json.dumps(qwen_moe))
+    cfg = parse_args(shlex.split(f"--hf-config {tmp_path / 'qwen_moe.json'} --seq-length 32 --micro-batch-size 1"))
+    assert cfg.moe_shared_expert_intermediate_size == 96 and cfg.moe_shared_expert_gate
     assert configs["gpt2"].ffn_hidden_size == 4 * gpt2["n_embd"]
     assert not configs["gpt2"].untie_embeddings_and_output_weights
     assert configs["gpt2"].position_embedding_type == "learned_absolute"

@@ -60,6 +60,12 @@ CASES = {
                       "--disable-bias-linear --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
                       "--moe-shared-expert-intermediate-size 48 --moe-layer-freq [1,0,1,1] "
                       "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall",
+    # Qwen2-MoE style: shared experts behind a sigmoid gate (one weight row per layer), TP 2 x EP 2
+    "moe_shared_gate_tp2_ep2": "--num-layers 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                               "--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+                               "--moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate "
+                               "--tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+                               "--moe-token-dispatcher-type alltoall",
     # Qwen3-MoE style (presets qwen3_30b_a3b, qwen3_235b_a22b): head dim above hidden / heads, QK RMSNorm, GQA,
     # every layer MoE with a small expert ffn and top-k of 4, no shared experts, untied
     "qwen3_moe_ep4": "--num-layers 2 --swiglu --normalization RMSNorm --position-embedding-type rope "

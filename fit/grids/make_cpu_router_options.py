@@ -3,7 +3,8 @@
 --moe-router-topk-scaling-factor) on the GPU kernels' CPU stand-ins (fake process group). These options change
 only the router's tensors (tokens x experts) and are read as softmax top-k routing: these runs, never fitted, check
 that (benchmarks/packed_runs.py fit/traces/cpu_router_options). Each is a campaign MoE config with the options:
-grouped-GEMM and sequential experts over EP 4, with TP 2 + SP, and with multi-latent attention.
+grouped-GEMM and sequential experts over EP 4, with TP 2 + SP, and with multi-latent attention; and shared experts
+behind their sigmoid gate (--moe-shared-expert-gate, modelled with the shared experts).
 Run: python fit/grids/make_cpu_router_options.py
 """
 import copy
@@ -16,6 +17,7 @@ from fit.grids.make_cpu_gpu_kernels import COMMON, configs as campaign  # noqa: 
 
 DEEPSEEK = {"--moe-router-score-function": "sigmoid", "--moe-router-num-groups": 4, "--moe-router-group-topk": 2,
             "--moe-router-topk-scaling-factor": 2.5, "--moe-router-enable-expert-bias": True}
+SHARED_GATE = {"--moe-shared-expert-intermediate-size": 96, "--moe-shared-expert-gate": True}
 # name: (campaign config, flags set)
 RUNS = {
     "sigmoid_gg": ("llama_moe_ep4_a2a_gg_s64_b2_h128", {"--moe-router-score-function": "sigmoid"}),
@@ -23,6 +25,9 @@ RUNS = {
     "deepseek_tp2_sp_gg": ("llama_moe_tp2_sp_ep4_a2a_gg_s64_b2_h128", DEEPSEEK),
     "deepseek_sequential": ("llama_moe_ep4_a2a_s64_b2_h128", DEEPSEEK),
     "deepseek_mla_tp2_sp_gg": ("mla_moe_tp2_sp_ep4_a2a_s64_b2_h128_q48", DEEPSEEK),
+    # shared experts behind a sigmoid gate (Qwen2-MoE's; modelled beside the programs, as shared experts are)
+    "shared_gate_gg": ("llama_moe_ep4_a2a_gg_s64_b2_h128", SHARED_GATE),
+    "shared_gate_tp2_sp_sequential": ("llama_moe_tp2_sp_ep4_a2a_s48_b1_h128", SHARED_GATE),
 }
 
 
