@@ -16,7 +16,8 @@ from estimator._record import dataclass
 from . import formulas as F
 from . import moe_tokens, transforms
 # The feature modules register their transforms (estimator.transforms) on import.
-from . import context_parallel, fp8, fused_softmax, moe_router, offload, qk_norm, residual, shared_experts  # noqa: F401
+from . import context_parallel, fp8, fused_softmax, moe_probs_on_input, moe_router, offload, qk_norm, residual  # noqa: F401
+from . import shared_experts  # noqa: F401
 
 ATTN_OPS = ("layers.*.input_layernorm", "layers.*.self_attention.linear_qkv",
             "layers.*.self_attention.core_attention", "layers.*.self_attention.linear_proj",

@@ -100,6 +100,7 @@ class TrainingConfig:
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str = "allgather"
     moe_router_pre_softmax: bool = False
+    moe_apply_probs_on_input: bool = False    # the routing probabilities scale the experts' input (top-1 only)
     moe_router_force_load_balancing: bool = False
     moe_router_score_function: str = "softmax"
     moe_router_load_balancing_type: Any = "aux_loss"   # one type, or a list (Megatron-LM: nargs='+')
@@ -317,6 +318,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--moe-grouped-gemm": ("moe_grouped_gemm", "true"),
     "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", "str"),
     "--moe-router-pre-softmax": ("moe_router_pre_softmax", "true"),
+    "--moe-apply-probs-on-input": ("moe_apply_probs_on_input", "true"),
     "--moe-router-force-load-balancing": ("moe_router_force_load_balancing", "true"),
     "--moe-router-score-function": ("moe_router_score_function", "str"),
     "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "list"),
@@ -990,6 +992,8 @@ def _validate_capacity(cfg: TrainingConfig) -> None:
 
 
 def _validate_moe(cfg: TrainingConfig) -> None:
+    if cfg.moe_apply_probs_on_input and cfg.num_experts and cfg.moe_router_topk != 1:
+        raise ConfigError("`moe_apply_probs_on_input` only works with `moe_router_topk`=1.")   # megatron-core's
     balancing, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
     if isinstance(balancing, list) and not (isinstance(coeff, list) and len(coeff) == len(balancing)):
         raise ConfigError("moe_aux_loss_coeff must be a list of the same length as "

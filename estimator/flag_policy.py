@@ -41,7 +41,6 @@ REFUSED = {
     "--reuse-grad-buf-for-mxfp8-param-ag": "reusing the grad buffer for the mxfp8 param all-gather is not modelled",
     "--moe-enable-deepep": "DeepEP dispatch buffers are not modelled",
     "--moe-layer-recompute": "MoE layer recompute is not modelled",
-    "--moe-apply-probs-on-input": "applying router probabilities on the input is not modelled",
     "--moe-latent-size": "MoE latent projections are not modelled",
     "--enable-cuda-graph": "CUDA graphs keep static input/output buffers; not modelled",
     "--external-cuda-graph": "CUDA graphs keep static input/output buffers; not modelled",

@@ -197,6 +197,7 @@ def test_multi_latent_attention_refuses_what_megatron_refuses(flags, message):
      "moe_act in recompute_modules is only supported with moe_grouped_gemm"),
     ("--recompute-granularity selective --recompute-modules mla_up_proj", "only supported with multi_latent_attention"),
     ("--recompute-modules attention", "Invalid choices for recompute_modules"),
+    ("--num-experts 4 --moe-router-topk 2 --moe-apply-probs-on-input", "only works with `moe_router_topk`=1"),
 ])
 def test_recompute_modules_refuse_what_megatron_refuses_and_what_is_not_modelled(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

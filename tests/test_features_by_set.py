@@ -44,6 +44,8 @@ FEATURES = {
     "fp32 residual connection": ("--fp32-residual-connection", "", "", +1, "fp32 residual stream"),
     "qk layernorm": ("--qk-layernorm", "", "", +1, "qk layernorm"),
     "shared experts": ("--moe-shared-expert-intermediate-size 512", "", MOE, +1, "shared experts"),
+    "probs on input (top-1)": ("--moe-apply-probs-on-input", "", MOE.replace("topk 2", "topk 1")
+                               + " --moe-router-pre-softmax", +1, "probs on input"),
 }
 # Registered transforms exercised elsewhere: torch's fp32 softmax fallback applies to the modelled set only (a
 # fitted set measured the softmax its runs took), tests/test_formulas.py and tests/test_features.py.

@@ -4,7 +4,8 @@
 only the router's tensors (tokens x experts) and are read as softmax top-k routing: these runs, never fitted, check
 that (benchmarks/packed_runs.py fit/traces/cpu_router_options). Each is a campaign MoE config with the options:
 grouped-GEMM and sequential experts over EP 4, with TP 2 + SP, and with multi-latent attention; and shared experts
-behind their sigmoid gate (--moe-shared-expert-gate, modelled with the shared experts).
+behind their sigmoid gate (--moe-shared-expert-gate, modelled with the shared experts), and top-1 routing with the
+probabilities applied to the experts' input (--moe-apply-probs-on-input, modelled).
 Run: python fit/grids/make_cpu_router_options.py
 """
 import copy
@@ -17,6 +18,7 @@ from fit.grids.make_cpu_gpu_kernels import COMMON, configs as campaign  # noqa: 
 
 DEEPSEEK = {"--moe-router-score-function": "sigmoid", "--moe-router-num-groups": 4, "--moe-router-group-topk": 2,
             "--moe-router-topk-scaling-factor": 2.5, "--moe-router-enable-expert-bias": True}
+PROBS_ON_INPUT = {"--moe-router-topk": 1, "--moe-router-pre-softmax": True, "--moe-apply-probs-on-input": True}
 SHARED_GATE = {"--moe-shared-expert-intermediate-size": 96, "--moe-shared-expert-gate": True}
 # name: (campaign config, flags set)
 RUNS = {
@@ -28,6 +30,9 @@ RUNS = {
     # shared experts behind a sigmoid gate (Qwen2-MoE's; modelled beside the programs, as shared experts are)
     "shared_gate_gg": ("llama_moe_ep4_a2a_gg_s64_b2_h128", SHARED_GATE),
     "shared_gate_tp2_sp_sequential": ("llama_moe_tp2_sp_ep4_a2a_s48_b1_h128", SHARED_GATE),
+    # top-1 routing with the probabilities applied to the experts' input (estimator/moe_probs_on_input.py)
+    "probs_on_input_gg": ("llama_moe_ep4_a2a_gg_s64_b2_h128", PROBS_ON_INPUT),
+    "probs_on_input_tp2_sp_sequential": ("llama_moe_tp2_sp_ep4_a2a_s48_b1_h128", PROBS_ON_INPUT),
 }
 
 
