@@ -151,6 +151,10 @@ class TrainingConfig:
     # --- optimizer ---
     optimizer: str = "adam"
     use_precision_aware_optimizer: bool = False
+    # the precision-aware optimizer's state dtypes (Transformer Engine's FusedAdam; fp32 without it)
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     # --- sharded data parallelism (estimator.fsdp) ---
@@ -250,6 +254,9 @@ _CHOICES = {
     "moe_router_dtype": ["fp32", "fp64"],
     "moe_token_drop_policy": ["probs", "position"],
     "fp8_recipe": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
+    "main_params_dtype": ["fp32", "fp16"],
+    "exp_avg_dtype": ["fp32", "fp16", "bf16", "fp8"],
+    "exp_avg_sq_dtype": ["fp32", "fp16", "bf16", "fp8"],
 }
 
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -360,6 +367,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--spec": ("spec", "list"),
     "--optimizer": ("optimizer", "str"),
     "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", "true"),
+    "--main-params-dtype": ("main_params_dtype", "str"),
+    "--exp-avg-dtype": ("exp_avg_dtype", "str"),
+    "--exp-avg-sq-dtype": ("exp_avg_sq_dtype", "str"),
     "--optimizer-cpu-offload": ("optimizer_cpu_offload", "true"),
     "--optimizer-offload-fraction": ("optimizer_offload_fraction", "float"),
     "--use-megatron-fsdp": ("use_megatron_fsdp", "true"),

@@ -99,9 +99,6 @@ REFUSED_UNLESS = {
     "--decoder-seq-length": ((), "encoder-decoder models are not modelled"),
     "--encoder-seq-length": ((), "pass --seq-length (the same value for a GPT model)"),
     "--main-grads-dtype": (("fp32",), "main gradients in a dtype other than fp32 are not modelled"),
-    "--main-params-dtype": (("fp32",), "main parameters in a dtype other than fp32 are not modelled"),
-    "--exp-avg-dtype": (("fp32",), "optimizer states in a dtype other than fp32 are not modelled"),
-    "--exp-avg-sq-dtype": (("fp32",), "optimizer states in a dtype other than fp32 are not modelled"),
 }
 
 

@@ -21,6 +21,10 @@ def validate(cfg) -> None:
             raise ConfigError("--use-precision-aware-optimizer only supported with adam")
         if not cfg.use_distributed_optimizer:
             raise ConfigError("--use-precision-aware-optimizer only supported with distributed optimizer")
+    else:   # megatron-core's OptimizerConfig
+        for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(cfg, name) != "fp32":
+                raise ConfigError(f"{name} can only be fp32 when not using precision-aware optimizer")
     if cfg.optimizer_cpu_offload and not cfg.use_precision_aware_optimizer:
         raise ConfigError("The optimizer cpu offload must be used in conjunction with "
                           "`--use-precision-aware-optimizer`, as the hybrid device optimizer reuses the code path "

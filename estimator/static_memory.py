@@ -251,12 +251,37 @@ def precision(cfg: Any) -> Tuple[str, str]:
 def optimizer_bytes_per_param(cfg: Any) -> Tuple[int, int]:
     """(bytes per param that stay replicated, bytes per param that the distributed optimizer shards) for the
     optimizer side only: master fp32 params (16-bit params), fp32 grad copies (16-bit grads), Adam m+v / SGD momentum."""
+    master, grad_copy, states = optimizer_element_bytes(cfg)
+    return 0, master + grad_copy + states
+
+
+# Bytes per element of the precision-aware optimizer's state dtypes (fp8 moments are stored as uint8)
+_STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def optimizer_element_bytes(cfg: Any) -> Tuple[int, int, int]:
+    """Per parameter element the optimizer holds (on the distributed optimizer: per element of the rank's shard):
+    (master copy, fp32 copy of a 16-bit gradient made in the step, Adam's moments / SGD's momentum).
+    Megatron's optimizer: fp32 master copies of 16-bit parameters, the step's fp32 gradient copies, fp32 moments.
+    The precision-aware optimizer (megatron-core 0.16.1 with Transformer Engine's FusedAdam: master_weights,
+    use_decoupled_grad, store_param_remainders on by default): the moments in --exp-avg-dtype / --exp-avg-sq-dtype;
+    the master copy in --main-params-dtype, kept by TE as the 16 low bits a bf16 parameter lacks when that is
+    fp32 (store_param_remainders), the step reading the gradient buffer itself (no copy). Under fp8 other than
+    delayed scaling with fp32 main parameters megatron-core keeps the master copies and gradients its own way."""
     pd, gd = precision(cfg)
+    opt = _g(cfg, "optimizer", "adam")
+    if opt == "adam" and _g(cfg, "use_precision_aware_optimizer", False):
+        main = _g(cfg, "main_params_dtype", "fp32")
+        moments = _STATE_BYTES[_g(cfg, "exp_avg_dtype", "fp32")] + _STATE_BYTES[_g(cfg, "exp_avg_sq_dtype", "fp32")]
+        fp8 = _g(cfg, "fp8", None) is not None and _g(cfg, "fp8_recipe", "delayed") != "delayed"
+        if main != "fp32" or not fp8 or _g(cfg, "optimizer_cpu_offload", False):
+            master = 2 if pd == "bf16" and main == "fp32" else _STATE_BYTES[main] if pd != "fp32" else 0
+            return master, 0, moments
+        return (4 if pd != "fp32" else 0), (4 if gd != "fp32" else 0), moments
     master = 4 if pd != "fp32" else 0
     grad_copy = 4 if gd != "fp32" else 0   # Float16Optimizer copies 16-bit main grads to fp32 main params' .grad
-    opt = _g(cfg, "optimizer", "adam")
     states = 8 if opt == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
-    return 0, master + grad_copy + states
+    return master, grad_copy, states
 
 
 def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int = 0,
@@ -268,7 +293,7 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
     pd, gd = precision(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]
     dist_opt, dp_dense, dp_expert, bucket = dp_layout(cfg)
-    opt_states = 8 if _g(cfg, "optimizer", "adam") == "adam" else (4 if _g(cfg, "sgd_momentum", 0.9) else 0)
+    master_b, grad_copy_b, opt_states = optimizer_element_bytes(cfg)
 
     params = expert = weights = grads = gnumel = padding = state_elems = 0
     largest = bucket_top = 0
@@ -320,12 +345,12 @@ def static_memory(cfg: Any, chunks: Sequence[Iterable[ParamInfo]], pp_rank: int 
             parts.append((is_exp, n, big, lay.numel, lay.numel_unpadded, shard, top))
         if key is not None:
             _memo[key] = parts
-    master = 4 * state_elems if pd != "fp32" else 0
+    master = master_b * state_elems
     # 16-bit gradients: the step makes an fp32 copy of each (shard of a) gradient for the fp32 main parameter's
     # .grad (megatron-core's _copy_model_grads_to_main_grads: `.float()`), which the next iteration's zero_grad
     # frees before any forward: step-time memory, not persistent (measured on CPU, DP 2 bf16 with the distributed
     # optimizer: --grad-reduce-in-bf16 lowers the forward's peak by the whole 2-byte saving of the grad buffer).
-    grad_copy = 4 * state_elems if gd != "fp32" else 0
+    grad_copy = grad_copy_b * state_elems
     states = opt_states * state_elems
     detail = {"master_params_bytes": master, "fp32_grad_copy_bytes": grad_copy, "states_bytes": states,
               "state_elements": state_elems, "optimizer": _g(cfg, "optimizer", "adam")}

@@ -43,3 +43,32 @@ def test_activation_offload_moves_all_but_one_layer():
 def test_offload_checks(extra, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("`", ".")):
         parse_args(shlex.split(BASE + extra))
+
+
+@pytest.mark.parametrize("flags,dtypes", [
+    # (master copy, first moment, second moment): TE's FusedAdam keeps a bf16 parameter's fp32 master copy as the
+    # 16 bits the parameter lacks (store_param_remainders)
+    ("", ("int16", "float32", "float32")),
+    ("--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", ("int16", "bfloat16", "bfloat16")),
+    ("--main-params-dtype fp16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16", ("float16", "uint8", "float16")),
+])
+def test_precision_aware_optimizer_keeps_its_states_in_their_dtypes(flags, dtypes):
+    """--use-precision-aware-optimizer: the distributed optimizer's states per element of the rank's shard in the
+    dtypes megatron-core 0.16.1 allocates them (distrib_optimizer's state shards: torch.int16 remainders or
+    main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype; fp8 moments as uint8), and no fp32 gradient copy."""
+    import torch
+    plain = rank("")
+    aware = rank("--use-precision-aware-optimizer " + flags)
+    elems = plain.static.optimizer_detail["state_elements"]
+    per_element = sum(torch.empty(0, dtype=getattr(torch, d)).element_size() for d in dtypes)
+    assert aware.bytes["optimizer_states"] == elems * per_element
+    assert plain.bytes["optimizer_states"] == elems * (4 + 4 + 4)
+    # 16-bit gradients: Megatron's optimizer copies them to fp32 in the step, TE's reads the buffer itself
+    copies = [rank("--grad-reduce-in-bf16 " + f).static.optimizer_detail["fp32_grad_copy_bytes"]
+              for f in ("", "--use-precision-aware-optimizer " + flags)]
+    assert copies[1] == 0 < copies[0]
+
+
+def test_state_dtypes_need_the_precision_aware_optimizer():
+    with pytest.raises(ConfigError, match="exp_avg_dtype can only be fp32 when not using precision-aware optimizer"):
+        parse_args(shlex.split(BASE + "--exp-avg-dtype bf16"))
