@@ -22,13 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from fit.dataset import traced_ranks  # noqa: E402  (the ranks a run traced)
+
 DEFAULT_DIRS = [os.path.join(ROOT, "fit", "traces", d) for d in ("cpu_compose", "cpu_recompute_twins")]
-
-
-def traced_ranks(path: str) -> list:
-    """The ranks a run traced: all of its world, or those a fake-world run picked (tracer/fake_world.py)."""
-    return sorted(int(f[4:-5]) for f in os.listdir(path)
-                  if f.startswith("rank") and f.endswith(".json") and f[4:-5].isdigit())
 
 
 def rank_peaks(path: str, fset) -> tuple:

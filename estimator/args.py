@@ -222,12 +222,7 @@ class TrainingConfig:
         return bool(self.num_experts)
 
     def moe_layer_pattern(self) -> list[int]:
-        """1 for a MoE layer, 0 for a dense one, per global layer index (megatron-core's moe_layer_freq rule)."""
-        if not self.is_moe:
-            return [0] * self.num_layers
-        if isinstance(self.moe_layer_freq, int):
-            return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
-        return list(self.moe_layer_freq)
+        return moe_layer_pattern(self)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -923,9 +918,25 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 MODELLED_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
 
 
+def field_reader(cfg):
+    """get(name, default) over a TrainingConfig or its dict form (trace headers, the fitter's configs)."""
+    return cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+
+
+def moe_layer_pattern(cfg) -> list[int]:
+    """1 for a MoE layer, 0 for a dense one, per global layer index (megatron-core's moe_layer_freq rule)."""
+    get = field_reader(cfg)
+    n, freq = get("num_layers"), get("moe_layer_freq", 1)
+    if not get("num_experts"):
+        return [0] * n
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(n)]
+    return list(freq)
+
+
 def recompute_modules(cfg) -> tuple:
     """The modules selective recompute re-runs (megatron-core's default: core attention); none without it."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    get = field_reader(cfg)
     if get("recompute_granularity") != "selective":
         return ()
     return tuple(get("recompute_modules") or ("core_attn",))

@@ -26,6 +26,7 @@ from estimator._record import dataclass, field
 
 from estimator.parallel import ParallelLayout, layout_from_config
 from estimator import fp8, moe_tokens, sharding
+from estimator.args import moe_layer_pattern
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, chunk_buffer, ddp_bucket_size, precision
 
 
@@ -293,8 +294,8 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     # multi-token prediction's layers run on the last stage: each a transformer layer of the decoder's last
     # layer's kind, the embedding of the shifted tokens, a projection and one more loss head
     mtp = _g(cfg, "mtp_num_layers") or 0
-    layers = layers_per_stage(cfg)
-    layers[-1] += mtp
+    decoder_layers = layers_per_stage(cfg)
+    layers = decoder_layers[:-1] + [decoder_layers[-1] + mtp]
     # Every pp group holds one rank of each stage, in stage order: column p of the pp groups is stage p's ranks
     # (== lay.stage_ranks(p) for every p, in one pass).
     stage_ranks = [sorted(col) for col in zip(*lay.groups["pp"])]
@@ -487,8 +488,9 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     num_experts = _g(cfg, "num_experts")
     if num_experts and (ep > 1 or lay.etp > 1):
         k = _g(cfg, "moe_router_topk", 2)
-        moe_layers = _moe_layers_per_stage(cfg, layers_per_stage(cfg))
-        if mtp and _moe_pattern(cfg)[-1]:
+        pattern = moe_layer_pattern(cfg)
+        moe_layers = _moe_layers_per_stage(pattern, decoder_layers)
+        if mtp and pattern[-1]:
             moe_layers[-1] += mtp
         tokens = s * b // (t if sp else 1)
         disp = _g(cfg, "moe_token_dispatcher_type", "allgather")
@@ -534,14 +536,8 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     return CommReport(collectives=rows, layout=lay, notes=notes)
 
 
-def _moe_pattern(cfg: Any) -> list:
-    """1 per MoE decoder layer, 0 per dense one (megatron-core's moe_layer_freq rule)."""
-    freq, n = _g(cfg, "moe_layer_freq", 1), _g(cfg, "num_layers", 1)
-    return list(freq) if isinstance(freq, (list, tuple)) else [1 if i % freq == 0 else 0 for i in range(n)]
-
-
-def _moe_layers_per_stage(cfg: Any, layers: Sequence[int]) -> list:
-    pattern = _moe_pattern(cfg)
+def _moe_layers_per_stage(pattern: Sequence[int], layers: Sequence[int]) -> list:
+    """MoE layers per stage: `pattern` (args.moe_layer_pattern) cut into the stages' layer counts."""
     out, i = [], 0
     for L in layers:
         out.append(sum(pattern[i:i + L]))

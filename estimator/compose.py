@@ -23,7 +23,8 @@ from collections import ChainMap
 from . import formulas as F
 from .formulas import STRUCTURE_SWITCHES
 from . import moe_tokens, transforms
-from .args import recompute_modules
+from .args import field_reader, moe_layer_pattern, recompute_modules
+from .model import MTP_LAYER
 
 ROOT = "step"
 FIRST_ONLY = ("data.tokens", "embedding")
@@ -33,7 +34,6 @@ FIRST_ONLY = ("data.tokens", "embedding")
 # output layer and loss, called before the main ones: ops of their own, tracer.scopes._call_name).
 MTP = "mtp"
 MTP_LAYERS = "mtp.layers.*"
-MTP_LAYER = "mtp.layers.*.transformer_layer"
 MTP_HEAD = ("mtp_head.output_layer", "mtp_head.loss")
 LAST_ONLY = ("data.labels", "output_layer", "loss", "final_layernorm", MTP) + MTP_HEAD
 LAYER = "layers.*"
@@ -87,11 +87,10 @@ class ComposedCache:
                 if self.sw["attention"] == "unfused" else 0.0
         self.local_experts = max(1, int(self.env["E"] // max(1, self.env["ep"])))
         # an MTP layer repeats the decoder's last layer's spec: an MoE layer where that one is
-        pattern = getattr(cfg, "moe_layer_pattern", None)
-        self._mtp_moe = bool(self.env["E"]) and bool(pattern()[-1] if callable(pattern) else True)
-        rg = cfg.get("recompute_granularity") if isinstance(cfg, dict) else getattr(cfg, "recompute_granularity", None)
-        method = cfg.get("recompute_method") if isinstance(cfg, dict) else getattr(cfg, "recompute_method", None)
-        self._mtp_checkpointed = rg == "full" and (method or "uniform") == "uniform"   # ('block': not checkpointed)
+        self._mtp_moe = bool(moe_layer_pattern(cfg)[-1])
+        get = field_reader(cfg)
+        self._mtp_checkpointed = get("recompute_granularity") == "full" and \
+            (get("recompute_method") or "uniform") == "uniform"   # ('block': not checkpointed)
         self.routing = moe_tokens.routing(cfg)
         h = self.hidden
         self.recv_unit = (h, h, h, 0.0, [("pp_recv", h, h, 0.0)])   # a pipeline chunk's received input

@@ -3,7 +3,8 @@
 Covers the decoder families Megatron trains from HF checkpoints: Llama / Mistral / Qwen2 / Qwen3 (rope, RMSNorm,
 swiglu, no linear biases, GQA), Mixtral, Qwen2-MoE and Qwen3-MoE (plus experts), DeepSeek-V2 / V3 (multi-latent
 attention, dense then MoE layers with shared experts, multi-token prediction) and GPT-2 (learned positions,
-LayerNorm, gelu, biases, tied embeddings). Only the fields that shape the model are returned; batch, parallelism and precision stay flags.
+LayerNorm, gelu, biases, tied embeddings). Only the fields that shape the model are returned; batch, parallelism
+and precision stay flags.
 """
 from __future__ import annotations
 

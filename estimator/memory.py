@@ -40,7 +40,7 @@ class Estimate:
     coverage: Optional[dict] = None  # composed sets: share of saved bytes from measured formulas, extrapolated labels
 
 
-def _param_infos(ops, tied: bool, pp: int) -> List[ParamInfo]:
+def _param_infos(ops) -> List[ParamInfo]:
     """ParamInfo per parameter of `ops`, in named_parameters order (Attention registers core_attention, then
     linear_proj, before SelfAttention's linear_qkv; embedding first, final norm and output layer last)."""
     ops = sorted(enumerate(ops), key=lambda io: (*_module_order(io[1]),
@@ -88,8 +88,6 @@ def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -
     model.rank_params(cfg, pp_rank, vp).ops). A layer's parameters depend only on whether it is a MoE layer, so
     each kind is expanded once and repeated; chunks with equal keys are one shared (read-only) Chunk."""
     from . import model as M  # owned by a colleague: rank_params(cfg, pp_rank, vp_stage) -> RankParams(.ops)
-    tied = not getattr(cfg, "untie_embeddings_and_output_weights", False)
-    pp = cfg.pipeline_model_parallel_size
     layer_table, pattern, templates, by_key = _tables or _param_tables(cfg)
     chunks = []
     for vp in range(vpp):
@@ -99,15 +97,15 @@ def param_chunks(cfg, pp_rank: int, vpp: int, _tables: Optional[tuple] = None) -
         key = ("chunk", kinds, first, last)
         params = by_key.get(key)
         if params is None:
-            head = _with_columns(_param_infos(M.head_ops(cfg, first, last), tied, pp))
+            head = _with_columns(_param_infos(M.head_ops(cfg, first, last)))
             parts = [head]
             for i, kind in enumerate(kinds):
                 t = templates.get(kind)
                 if t is None:
                     t = templates[kind] = _with_columns(
-                        _param_infos(M.layer_ops(cfg, layer_table[(pp_rank, vp)][i]), tied, pp))
+                        _param_infos(M.layer_ops(cfg, layer_table[(pp_rank, vp)][i])))
                 parts.append(t)
-            parts.append(_with_columns(_param_infos(M.tail_ops(cfg, first, last), tied, pp)))
+            parts.append(_with_columns(_param_infos(M.tail_ops(cfg, first, last))))
             params = Chunk(head[0])
             numels, shared = list(head[1]), list(head[3])
             for t in parts[1:]:
@@ -148,19 +146,17 @@ _OWN_OPS = {"mla": ("multi_latent_attention", "--multi-latent-attention"),
 
 
 def _check_measures(cfg, fset) -> None:
-    from .args import recompute_modules
+    from .args import ConfigError, recompute_modules
     modules = sorted(set(recompute_modules(cfg)) - {"core_attn"})
     if modules and fset.programs is None and not fset.composed:
         # selective recompute of other modules is composed from the layer's programs; the per-op modelled set
         # has selective recompute of core attention only
-        from .args import ConfigError
         raise ConfigError(f"--recompute-modules {' '.join(modules)} changes memory and cannot be estimated with "
                           f"formula set {fset.name!r}: its layers have no programs to compose it from (use "
                           f"--formulas cpu_compose)")
     if (getattr(cfg, "mtp_num_layers", None) or 0) > 1:
         # each MTP layer's loss head frees other tensors than the first's (the last to run frees the block's
         # joined hidden states): the traced runs have one MTP layer
-        from .args import ConfigError
         raise ConfigError(f"--mtp-num-layers {cfg.mtp_num_layers} cannot be estimated: no formula set measured more "
                           f"than one multi-token prediction layer")
     used = [(switch, flag) for switch, (attr, flag) in _OWN_OPS.items() if getattr(cfg, attr, None)]
@@ -169,8 +165,7 @@ def _check_measures(cfg, fset) -> None:
     seen = fset.seen_switch_values()
     for switch, flag in used:
         if True not in seen.get(switch, ()):
-            from .args import ConfigError
-            raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
+                raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
                               f"it measured no run with it (use --formulas cpu_compose)")
 
 

@@ -93,5 +93,5 @@ def _mtp_kinds(cfg: Any, stage_chunks) -> list:
     n = int(_g(cfg, "mtp_num_layers", 0) or 0)
     if not n or not any(c.key[3] for c in stage_chunks):
         return []
-    pattern = getattr(cfg, "moe_layer_pattern", None)
-    return [bool(pattern()[-1]) if callable(pattern) else bool(_g(cfg, "num_experts", 0))] * n
+    from .args import moe_layer_pattern
+    return [bool(moe_layer_pattern(cfg)[-1])] * n

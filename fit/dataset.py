@@ -179,13 +179,18 @@ def parsed_run(path: str, accept_damaged: bool = False) -> tuple[list, dict, dic
     return ranks, hdr, cfg
 
 
+def traced_ranks(path: str) -> list:
+    """The ranks a run traced: all of its world, or those a fake-world run picked (tracer/fake_world.py)."""
+    return sorted(int(f[4:-5]) for f in os.listdir(path)
+                  if f.startswith("rank") and f.endswith(".json") and f[4:-5].isdigit())
+
+
 def run_argv(path: str) -> tuple[list, dict]:
     """(argv, header of its lowest traced rank: rank 0 but where a fake-world run traced others only) of a traced
     run directory: the flags of its campaign.json (the command line as the campaign launched it) where it has one,
     else those its header recorded."""
     import json
-    ranks = sorted(int(f[4:-5]) for f in os.listdir(path)
-                   if f.startswith("rank") and f.endswith(".json") and f[4:-5].isdigit())
+    ranks = traced_ranks(path)
     with open(os.path.join(path, f"rank{ranks[0] if ranks else 0}.json"), encoding="utf-8") as fh:
         hdr = json.load(fh)
     argv = hdr["argv"]

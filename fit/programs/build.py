@@ -15,6 +15,7 @@ import sys
 import time
 
 from estimator import programs as P
+from estimator.model import MTP_LAYER
 
 from ..dataset import DatasetError, expand_dirs, parsed_run, point_of
 from ..basis import candidates, variables_of
@@ -54,9 +55,6 @@ def run_children(per_rank: list) -> dict:
     from .switches import _union
     ops = {op for kids in per_rank for op in kids}
     return {op: _union([kids[op] for kids in per_rank if op in kids]) for op in sorted(ops)}
-
-
-MTP_LAYER = "mtp.layers.*.transformer_layer"
 
 
 def mtp_layer_twin(label: str) -> bool:
