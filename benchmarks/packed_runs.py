@@ -29,20 +29,10 @@ DEFAULT_DIRS = [os.path.join(ROOT, "fit", "traces", d) for d in ("cpu_compose", 
 
 def rank_peaks(path: str, fset) -> tuple:
     """(predicted peak per traced rank, the run's own allocator peak per traced rank, its argv) of one packed run;
-    a rank is predicted by its pipeline stage's estimate."""
-    from estimator.memory import estimate
-    from fit.dataset import traced_config
-    cfg, hdr, argv = traced_config(path)
-    if hdr.get("routing") == "balanced":
-        cfg.moe_imbalance = 1.0     # the run's routing was exactly balanced (tracer/moe_routing.py): no bound to add
-    measured, stages = [], []
-    for r in traced_ranks(path):
-        with open(os.path.join(path, f"rank{r}.json"), encoding="utf-8") as fh:
-            h = json.load(fh)
-        measured.append(h["allocator_peak_bytes"])
-        stages.append(int((h.get("coords") or {}).get("pp", 0)))
-    est = estimate(cfg, fset, device="cpu")
-    return [est.ranks[p].peak_bytes for p in stages], measured, argv
+    a rank is predicted by its pipeline stage's estimate (fit.dataset.predicted_and_measured)."""
+    from fit.dataset import predicted_and_measured, run_argv
+    rows = predicted_and_measured(path, fset)
+    return [p for _, _, p, _ in rows], [m for _, _, _, m in rows], run_argv(path)[0]
 
 
 def run_errors(path: str, fset) -> tuple:

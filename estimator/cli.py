@@ -216,6 +216,9 @@ def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool
         cfg.kernels = dict(kernels)
     cfg.torch_adam = own["torch_adam"]
     fset = F.load(own["formulas"] or formulas or F.DEFAULT_SET)
+    if fset.profiled.get("device") == "cpu" and kernels is None:
+        # a set profiled on CPU (profile-training-info --campaign --cpu) predicts CPU runs of the kernels it traced
+        cfg.kernels, device = dict(fset.profiled.get("kernels") or {}), "cpu"
     chunks = MEM.all_param_chunks(cfg)  # shared by the static memory and the DP communication rows
     est = invariants.checked_estimate(cfg, fset, chunks_by_stage=chunks, device=device)
     layout = PAR.layout_from_config(cfg)
@@ -226,7 +229,10 @@ def build_report(argv: list[str], formulas: Optional[str] = None, reserved: bool
         from estimator import reserved as RES   # the caching-allocator replay: single estimates only (not --search)
         report.reserved = RES.model(cfg, fset, est, own["cuda_alloc_conf"])
     gpu = V.parse_gpu(own["gpu_memory"]) if own["gpu_memory"] is not None else None
-    report.budget = V.budget(report, gpu, **{k: own[k] for k in V.DEFAULTS})
+    allow = {k: own[k] for k in V.DEFAULTS}
+    if device == "cpu":     # a CPU run (a CPU-profiled set): no CUDA context or NCCL buffers beside the tensors
+        allow = {**allow, **{k: 0.0 for k in ("cuda_context_gib", "nccl_gib_per_communicator") if allow[k] is None}}
+    report.budget = V.budget(report, gpu, **allow)
     return report
 
 

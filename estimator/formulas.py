@@ -271,6 +271,11 @@ class FormulaSet:
         return bool(self.segments) or self.programs is not None
 
     @property
+    def profiled(self) -> Dict[str, Any]:
+        """The stack a job's own set was profiled on (fit.job_campaign: device, kernels, versions); {} otherwise."""
+        return self.programs.profiled if self.programs is not None else {}
+
+    @property
     def measured_on_standins(self) -> bool:
         """Fitted from traces of the built-in harness, which runs Transformer Engine's modules as stand-ins
         (tracer/standins.py) on CPU and on the H100 alike: every fitted set; the modelled set describes TE itself."""

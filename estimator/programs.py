@@ -153,6 +153,9 @@ class ProgramSet:
     # per label, the shape variables of its family that had one value in every run of it: its sizes are pinned
     # there only, so a config with another value is extrapolated, not measured (FORMATS 7)
     fixed: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # a set profiled from one job (fit.job_campaign): the device, kernels and versions its runs had, so an estimate
+    # with it predicts runs of that stack (a CPU-profiled set, CPU runs of those kernels); {} for the shipped sets
+    profiled: Dict[str, Any] = field(default_factory=dict)
     _by_key: Dict[Tuple[str, str], List[ProgramCell]] = field(default_factory=dict, repr=False)
     # per label, the switches its cells' `when` and `seen` name: the only ones its choice of cells depends on
     _keys: Dict[str, Tuple[str, ...]] = field(default_factory=dict, repr=False)
@@ -421,9 +424,13 @@ def from_dict(doc: Any, path: Optional[str] = None) -> ProgramSet:
             isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool)
                                         for k, x in v.items()) for v in fixed.values()):
         raise ProgramError(f"{src}: 'fixed' must map labels to {{variable: number}}")
+    profiled = doc.get("profiled") or {}
+    if not isinstance(profiled, dict) or profiled and (profiled.get("device") not in ("cpu", "cuda")
+                                                       or not isinstance(profiled.get("kernels", {}), dict)):
+        raise ProgramError(f"{src}: 'profiled' must be an object with 'device' 'cpu' or 'cuda' and a 'kernels' object")
     return ProgramSet(str(doc.get("name", "")), str(doc.get("kind", "fitted")), str(doc.get("description", "")),
                       cells, list(doc.get("structure") or []), want, path, [str(b) for b in backends], traced,
-                      {str(k): dict(v) for k, v in fixed.items()})
+                      {str(k): dict(v) for k, v in fixed.items()}, dict(profiled))
 
 
 def _check_refs(events: List[ProgramEvent], where: str) -> None:

@@ -343,11 +343,17 @@ def _section_config(report) -> list[str]:
     return _wrap(_describe(report.cfg))
 
 
+def summary_profiled(fset) -> list[str]:
+    from estimator.summary import profiled_lines
+    return profiled_lines(fset)
+
+
 def _section_formulas(report) -> list[str]:
     modelled = report.formula_set.kind == "modelled"
     return _wrap([f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
             + (" -- activations are MODELLED from published analysis, not measured" if modelled else
                " -- fitted from measured traces"),
+            *summary_profiled(report.formula_set),
             *_fallback_lines(report.estimate.fallbacks),
             *_coverage_lines(report.estimate.coverage)])
 
@@ -508,6 +514,7 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
         "format": JSON_FORMAT, "version": JSON_VERSION,
         "formula_set": {"name": report.formula_set.name, "kind": report.formula_set.kind,
                         "path": report.formula_set.path,
+                        **({"profiled": report.formula_set.profiled} if report.formula_set.profiled else {}),
                         "fallbacks": [{"op": op, "quantity": q} for op, q in sorted(report.estimate.fallbacks)],
                         **({"coverage": report.estimate.coverage} if report.estimate.coverage else {})},
         "config": cfg.to_dict(),

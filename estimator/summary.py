@@ -152,6 +152,19 @@ def measured_sources(report) -> list[str]:
     return [where] + (["the GPU's kernels on CPU stand-ins"] if standins else [])
 
 
+def profiled_lines(fset) -> list[str]:
+    """What a job's own set (fit.job_campaign) was profiled on, and so what it predicts."""
+    prof = fset.profiled
+    if not prof:
+        return []
+    v = prof.get("versions") or {}
+    stack = ", ".join([str(prof.get("target", "?"))] + [f"{k.replace('_', '-')} {v[k]}" for k in
+                                                         ("torch", "megatron_core") if k in v])
+    if prof.get("device") == "cpu":
+        return [f"profiled on CPU ({stack}): predicts CPU runs of its kernels, no GPU allowances"]
+    return [f"profiled on {prof.get('device_name') or 'a GPU'} ({stack})"]
+
+
 def _formulas(report) -> list[str]:
     from estimator.formulas import DEFAULT_SET
     fset = report.formula_set
@@ -163,6 +176,7 @@ def _formulas(report) -> list[str]:
         items = [f"{name}: {100 * share:.1f}% of saved activation bytes measured"] + measured_sources(report)
         if share < 0.9995:
             items.append(f"{100 * (1 - share):.1f}% modelled or extrapolated")
+    items += profiled_lines(fset)
     n_fb = len({op for op, _ in report.estimate.fallbacks})
     items += [f"{n_fb} ops fall back to the modelled set"] if n_fb else []
     return _wrap("Formulas  ", items)

@@ -168,9 +168,9 @@ def recorded_argv(run_dir: str):
     return info.get("argv"), info.get("launcher", [])
 
 
-def profile_command(cfg: Config, out: str, iterations: int, device: str) -> list:
+def profile_command(cfg: Config, out: str, iterations: int, device: str, target: str = "harness") -> list:
     cmd = [sys.executable, "-m", "tracer.profile", "--out", out, "--iterations", str(iterations),
-           *launcher_flags(cfg.argv), *cfg.launcher]
+           *(["--target", target] if target != "harness" else []), *launcher_flags(cfg.argv), *cfg.launcher]
     if cfg.ranks is not None:
         world = ["--fake-world", str(cfg.nproc), "--ranks", ",".join(map(str, cfg.ranks))]
         return cmd + (["--cpu"] if device == "cpu" else []) + world + ["--", *cfg.argv]
@@ -179,7 +179,8 @@ def profile_command(cfg: Config, out: str, iterations: int, device: str) -> list
     return cmd + ["--", "--nproc_per_node", str(cfg.nproc), *cfg.argv]
 
 
-def run_one(cfg: Config, out_dir: str, iterations: int, device: str, timeout: float) -> tuple[bool, str]:
+def run_one(cfg: Config, out_dir: str, iterations: int, device: str, timeout: float,
+            target: str = "harness") -> tuple[bool, str]:
     final, partial = os.path.join(out_dir, cfg.name), os.path.join(out_dir, cfg.name + ".partial")
     if os.path.isdir(partial):
         shutil.rmtree(partial)  # our own leftover from an interrupted run
@@ -187,7 +188,7 @@ def run_one(cfg: Config, out_dir: str, iterations: int, device: str, timeout: fl
     log = os.path.join(out_dir, cfg.name + ".log")
     with open(log, "w", encoding="utf-8") as fh:
         try:
-            rc = subprocess.run(profile_command(cfg, partial, iterations, device), stdout=fh,
+            rc = subprocess.run(profile_command(cfg, partial, iterations, device, target), stdout=fh,
                                 stderr=subprocess.STDOUT, timeout=timeout, cwd=_repo_root(),
                                 env={**os.environ, "PYTHONPATH": _repo_root() + os.pathsep
                                      + os.environ.get("PYTHONPATH", "")}).returncode
@@ -272,6 +273,7 @@ def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None =
             raise GridError(f"{d} exists but is incomplete; move it away and --resume")
         todo.append(c)
     iterations, device = int(grid.get("iterations", 3)), grid.get("device", "cpu")
+    target = str(grid.get("target", "harness"))     # a job's own training script (fit.job_campaign)
     prog = Progress(len(configs), jobs=jobs)
     prog.done = len(configs) - len(todo)
     failures = []
@@ -284,7 +286,7 @@ def run_campaign(grid_path: str, out_dir: str, resume: bool, only: list | None =
         if give_up_after and len(finished) >= give_up_after and not any(finished[:give_up_after]):
             return c, False, f"not started: the first {give_up_after} configs all failed", None
         t = time.time()
-        ok, why = run_one(c, out_dir, iterations, device, timeout)
+        ok, why = run_one(c, out_dir, iterations, device, timeout, target)
         finished.append(ok)   # here, not in the loop below: the worker's next config must see it
         return c, ok, why, time.time() - t
 

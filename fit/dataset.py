@@ -10,6 +10,7 @@ what a layer's backward holds from before it becomes the model-level op `backwar
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -208,6 +209,23 @@ def traced_config(path: str) -> tuple:
     cfg = parse_args(["--nproc_per_node", str(hdr.get("world_size", 1))] + argv)
     cfg.kernels = header_kernels(hdr)
     return cfg, hdr, argv
+
+
+def predicted_and_measured(path: str, fset) -> list:
+    """[(rank, pipeline stage, predicted peak, the run's own allocator peak)] per traced rank of a run: the estimator
+    on the run's own flags and kernels (traced_config; device "cpu": no GPU runtime buffers), a rank
+    predicted by its pipeline stage's estimate."""
+    from estimator.memory import estimate
+    cfg, hdr, _ = traced_config(path)
+    if hdr.get("routing") == "balanced":
+        cfg.moe_imbalance = 1.0     # the run's routing was exactly balanced (tracer/moe_routing.py): no bound to add
+    rows = []
+    for r in traced_ranks(path):
+        with open(os.path.join(path, f"rank{r}.json"), encoding="utf-8") as fh:
+            h = json.load(fh)
+        rows.append((r, int((h.get("coords") or {}).get("pp", 0)), h["allocator_peak_bytes"]))
+    est = estimate(cfg, fset, device="cpu")
+    return [(r, p, est.ranks[p].peak_bytes, m) for r, p, m in rows]
 
 
 def header_kernels(hdr: dict) -> dict:

@@ -7,6 +7,11 @@ same processes torchrun would start, each tracing its allocations (tracer/profil
 Profiler options come from $MEMTRACE_ARGS or from the line itself (before the script): --out DIR (memtrace_out),
 --iterations N (3), --cpu (gloo on CPU), --balanced-routing, --target harness (the built-in megatron-core harness
 with the same flags instead of the script), --dry-run (print the command, run nothing).
+
+--campaign DIR profiles the job instead of running it (fit.job_campaign): a plan of small runs of the same model
+(few layers, four shapes, its own layout and two others, one rank per rank class on torch's fake process group),
+traced, fitted into DIR/formulas.json, and checked on a config no run had; then
+`get-training-info <the same line> --formulas DIR/formulas.json` predicts the job. --jobs N runs N at once.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import sys
 from estimator import torchrun as TR
 
 ENV_ARGS = TR.ENV_ARGS
-_OWN_VALUE = ("--out", "--iterations", "--target")
+_OWN_VALUE = ("--out", "--iterations", "--target", "--campaign", "--jobs")
 _OWN_SWITCH = ("--cpu", "--balanced-routing", "--crosscheck", "--dry-run")
 
 
@@ -68,6 +73,8 @@ def command(argv: list, env: dict) -> tuple[list, bool]:
         raise UsageError("the training script must be a Python file (torchrun's -m / --no-python are not "
                          "supported here)")
     target = own.get("--target")
+    if own.get("--campaign"):
+        return campaign_command(own, line), bool(own.get("--dry-run"))
     if target is None:
         if line.script is None:
             raise UsageError("no training script on the line (expected: [torchrun flags] pretrain_gpt.py [flags]); "
@@ -82,6 +89,16 @@ def command(argv: list, env: dict) -> tuple[list, bool]:
     prof += [flag for flag in _OWN_SWITCH[:3] if own.get(flag)]
     return [sys.executable, "-m", "torch.distributed.run", *line.launcher, "-m", "tracer.profile", *prof, "--",
             *line.script_args], bool(own.get("--dry-run"))
+
+
+def campaign_command(own: dict, line) -> list:
+    """The fit.job_campaign command for --campaign DIR: the job's world flags and training flags."""
+    target = own.get("--target", "harness" if line.script is None else line.script)
+    cmd = [sys.executable, "-m", "fit.job_campaign", "--out", own["--campaign"], "--target", target,
+           "--iterations", own.get("--iterations", "3")]
+    cmd += ["--cpu"] if own.get("--cpu") else []
+    cmd += ["--jobs", own["--jobs"]] if own.get("--jobs") else []
+    return cmd + ["--", *line.world_flags(), *line.script_args]
 
 
 def main(argv: list | None = None) -> int:

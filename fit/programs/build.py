@@ -148,8 +148,9 @@ def fixed_variables(runs: list, cells: list) -> dict:
     return out
 
 
-def documents(runs: list, cells: list, name: str, description: str) -> tuple:
-    """(set document, provenance document)."""
+def documents(runs: list, cells: list, name: str, description: str, profiled: dict | None = None) -> tuple:
+    """(set document, provenance document). profiled: the stack a job's own set was profiled on
+    (fit.job_campaign), kept in the set."""
     failed = [(c, i, why) for c in cells for i, why in c.failed]
     if failed:
         c, i, why = failed[0]
@@ -170,6 +171,7 @@ def documents(runs: list, cells: list, name: str, description: str) -> tuple:
         "backends": sorted({r.backend for r in runs}),
         "traced": traced_structures(runs),
         "fixed": fixed_variables(runs, cells),
+        **({"profiled": profiled} if profiled else {}),
     }
     doc["checksum"] = P.content_checksum(doc)
     notes = sorted({n for c in cells for n in c.notes})
