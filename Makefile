@@ -23,9 +23,10 @@ $(VENV)/.test-ready: $(VENV)/.estimator-ready requirements-test.txt
 example: $(VENV)/.estimator-ready
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/estimate_llama2_7b.sh
 
+# Two workers (the CI machine has two cores): the suite is mostly single-threaded megatron-core runs.
 test: $(VENV)/.test-ready
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-ready
 	$(PY) benchmarks/estimator_speed.py
