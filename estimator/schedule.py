@@ -125,11 +125,16 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
     last = len(seq) - 1
     for i, (kind, c) in enumerate(seq):
         if kind == "F":
-            if recv[c] and not fl[c]:
+            # 1F1B, a forward right after the chunk's own backward: that backward's input and its gradient stay
+            # referenced until this forward is done (elsewhere set_input_tensor releases the kept input at once)
+            late = recv[c] and not fl[c] and not interleaved and i > 0 and seq[i - 1] == ("B", c)
+            if recv[c] and not fl[c] and not late:
                 held -= 1  # set_input_tensor replaces the kept input
             n = 2 * held
-            if prev >= 0 and recv[prev] and (fl[prev] or prev == c):
+            if prev >= 0 and recv[prev] and (fl[prev] or prev == c) and not late:
                 n += 1
+            if late:
+                held -= 1
             if interleaved and warmup <= i < last and seq[i + 1][0] == "B" and sends[seq[i + 1][1]]:
                 n += 1
             if not interleaved and i and seq[i - 1][0] == "B" and sends[seq[i - 1][1]]:
@@ -309,7 +314,7 @@ class _Walk:
     of the step just run if it was a forward (last_f), forwards / backwards run so far, and the first highest top
     with (kind, forward or backward index, level before)."""
     __slots__ = ("saved", "fx", "bx", "recv", "sends", "inter", "p2p", "floor", "level", "fl", "held", "prev",
-                 "last_f", "grad_held", "nf", "nb", "best", "at")
+                 "last_f", "last_b", "grad_held", "nf", "nb", "best", "at")
 
     def __init__(self, chunks, level0: float, recv, sends, interleaved: bool, p2p: float):
         self.saved = [ch.saved for ch in chunks]
@@ -317,6 +322,7 @@ class _Walk:
         self.bx = [ch.bwd_extra for ch in chunks]
         self.recv, self.sends, self.inter, self.p2p = recv, sends, interleaved, p2p
         self.level, self.fl, self.held, self.prev, self.last_f = level0, [0] * len(chunks), sum(recv), None, None
+        self.last_b = None       # the chunk of the step just run if it was a backward
         self.grad_held = False   # 1F1B: the last backward's received output gradient, referenced until a forward ran
         self.nf = self.nb = 0
         self.best, self.at = level0, None
@@ -325,13 +331,15 @@ class _Walk:
     def fwd(self, x: int, nxt_b: Optional[int]) -> None:
         """Forward of chunk x; nxt_b: the chunk of the next step if that is a backward."""
         fl = self.fl
-        if self.recv[x] and not fl[x]:
+        # as p2p_counts: a 1F1B forward right after its chunk's backward keeps that backward's input until it is done
+        late = self.recv[x] and not fl[x] and not self.inter and self.last_b == x
+        if self.recv[x] and not fl[x] and not late:
             self.held -= 1  # set_input_tensor replaces the kept input
         lv = self.level
         if self.p2p:
             n = 2 * self.held
             p = self.prev
-            if p is not None and (fl[p] or p == x):
+            if p is not None and (fl[p] or p == x) and not late:
                 n += 1
             if nxt_b is not None and self.inter and self.sends[nxt_b]:
                 n += 1
@@ -342,6 +350,9 @@ class _Walk:
             top = lv + self.fx[x]
         if top > self.best:
             self.best, self.at = top, ("F", self.nf, lv)
+        if late:
+            self.held -= 1
+        self.last_b = None
         fl[x] += 1
         self.level = lv + self.saved[x]
         self.nf += 1
@@ -378,6 +389,7 @@ class _Walk:
         else:
             self.prev = None
         self.last_f = None
+        self.last_b = c
         self.grad_held = not self.inter and self.sends[c]
 
     def skip_f(self, a: int, m: int) -> None:
@@ -388,6 +400,7 @@ class _Walk:
         self.level += m * self.saved[a]
         self.nf += m
         self.last_f = a
+        self.last_b = None
         self.grad_held = False
 
     def skip_b(self, b: int, m: int) -> None:
