@@ -9,9 +9,10 @@ What the plan keeps and what it varies, and why:
 - Sequence length and micro-batch size vary over four shapes, (s, 1), (s/2, 1), (s, 2), (s/2, 3), with s the job's
   sequence: every size is then solved over two values of each, in both micro-batch cells (a one-sequence batch runs
   other kernels than a larger one, fit.programs).
-- Layouts: the job's own (its TP, SP, CP, EP, expert TP, PP and interleaving), one process per tensor-parallel rank
-  kind with TP 1, and a pipeline of two stages (the first and the last stage kinds) when the job has none, so the set
-  predicts other layouts of the same model too (what `--search` weighs). Data parallelism stays small: two ranks
+- Layouts: the job's own (its TP, SP, CP, EP, expert TP, PP and interleaving); TP, CP and PP 1; a pipeline of two
+  stages (the first and the last stage kinds) when the job has none; CP alone when the job has it; half its expert
+  parallelism when it has that: each size then has two values, so the set predicts other layouts of the same model
+  too (what `--search` weighs). Data parallelism stays small: two ranks
   where the job shards the optimizer or needs them for expert parallelism.
 - Each layout is traced one rank per rank class (the first, a middle and the last pipeline stage) on torch's fake
   process group (tracer/fake_world.py): one node, or one GPU, serves a job of any world size.
@@ -183,15 +184,23 @@ def make_plan(job_argv: list, job_world: int) -> Plan:
                                              f"{f' x {vpp} virtual' if vpp > 1 else ''}, CP {cp}, EP {ep})"),
                 tp, pp, vpp, sp, cp, ep, etp)]
     if tp > 1 or cp > 1 or pp > 1:
-        layouts.append(("tp1", "one tensor-parallel rank (TP 1)", 1, 1, 1, False, cp, ep, 1))
+        layouts.append(("tp1", "one rank per tensor (TP 1, CP 1, PP 1)", 1, 1, 1, False, 1, ep, 1))
     if pp == 1:
-        layouts.append(("pp2", "two pipeline stages (TP 1, PP 2)", 1, 2, 1, False, cp, ep, 1))
+        layouts.append(("pp2", "two pipeline stages (TP 1, PP 2)", 1, 2, 1, False, 1, ep, 1))
+    if cp > 1:
+        layouts.append(("cp", f"context parallelism alone (CP {cp})", 1, 1, 1, False, cp, ep, 1))
+    if ep > 1:
+        layouts.append(("ep", f"half the expert parallelism (EP {ep // 2})", 1, 1, 1, False, 1, ep // 2, 1))
     for key, desc, t, p, v, spl, c, e, et in layouts:
         dp = _data_parallel(cfg, t, c, e, et)
         world = t * p * c * dp
         for seq, mb in shapes:
             argv = _run_argv(base, cfg, tp=t, pp=p, vpp=v, sp=spl, seq=seq, mb=mb, dp=dp,
                              layers_per_chunk=1 if v > 1 else 2, microbatches=max(2, p))
+            if c != cp or "--context-parallel-size" in argv:
+                argv = _set_flag(argv, "--context-parallel-size", c)
+            if e != ep:
+                argv = _set_flag(argv, "--expert-model-parallel-size", e)
             if cfg.num_experts and "--expert-tensor-parallel-size" in argv:
                 argv = _set_flag(argv, "--expert-tensor-parallel-size", et)
             pcfg = _parse(argv, world)

@@ -85,7 +85,21 @@ def test_plan_for_moe_pipeline_and_interleaving():
             # interleaving: one layer per virtual chunk, four stages, first / middle / last traced
             assert cfg.virtual_pipeline_model_parallel_size == 2 and cfg.num_layers == pp * 2
             assert len(r.ranks) == 3
-    assert {r.name.split("_s")[0] for r in plan.runs} == {"job", "tp1"}
+    # each parallel size has two values among the runs: TP, CP and PP off together, EP halved alone
+    sizes = {r.name.split("_s")[0]: (parse_args(["--nproc_per_node", str(r.world)] + r.argv)) for r in plan.runs}
+    assert set(sizes) == {"job", "tp1", "ep"}
+    assert [(c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.expert_model_parallel_size)
+            for c in (sizes["job"], sizes["tp1"], sizes["ep"])] == [(2, 4, 4), (1, 1, 4), (1, 1, 2)]
+
+
+def test_plan_for_context_parallelism_varies_it_alone():
+    job = shlex.split(LLAMA + " --context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel")
+    plan = make_plan(_set(job, "--global-batch-size", 16), 8)
+    cp = {r.name.split("_s")[0]: parse_args(["--nproc_per_node", str(r.world)] + r.argv).context_parallel_size
+          for r in plan.runs}
+    assert cp == {"job": 2, "tp1": 1, "pp2": 1, "cp": 2}
+    # sequences split over TP (SP) and CP's load-balanced chunks: multiples of 8, TP and 2 x CP
+    assert all(r.shape[0] % 8 == 0 for r in plan.runs)
 
 
 def test_plan_refuses_a_job_it_cannot_read():
