@@ -488,6 +488,8 @@ def _other_flag(argv: list[str], i: int, token: str, flag: str, eq: str, inline:
         if taken in (1, "+") and not values:
             raise ConfigError(f"argument {flag}: expected {'one argument' if taken == 1 else 'at least one argument'}")
     reason = flag_policy.refusal(flag, values)
+    if reason is not None and flag_policy.newer_release(flag):
+        raise ConfigError(f"{flag} cannot be estimated: {reason}, and what it does to memory is not modelled")
     if reason is not None:
         raise ConfigError(f"{flag} changes memory or communication and cannot be estimated: {reason}")
     (conservative if flag in flag_policy.CONSERVATIVE else ignored).extend([token] if eq else [token] + values)

@@ -1,14 +1,38 @@
 """What the estimator does with each Megatron-LM flag it does not parse into TrainingConfig.
 
-estimator.megatron_flags lists every flag Megatron-LM's parser has (generated). A flag estimator.args parses is
-modelled. Of the others, a flag that changes memory or communication is refused here with a one-line reason
+estimator.megatron_flags lists every flag Megatron-LM's parser has (generated) at the release the estimator models;
+estimator.megatron_flags_newer those newer releases added (generated, each with its release). A flag estimator.args
+parses is modelled. Of the others, a flag that changes memory or communication is refused here with a one-line reason
 (REFUSED, or REFUSED_UNLESS for flags whose default or a few values change nothing); every other Megatron-LM flag
 does not change memory or communication and is listed as ignored. A flag Megatron-LM does not have is an error
 (did you mean ...), as Megatron's own parser fails on it.
 """
 from __future__ import annotations
 
-from estimator.megatron_flags import MEGATRON_LM, TORCHRUN
+from estimator.megatron_flags import MEGATRON_LM, SOURCE, TORCHRUN
+from estimator.megatron_flags_newer import NEWER
+
+# The release the estimator models (its parser's flags: estimator.megatron_flags).
+BASE_RELEASE = SOURCE.split(" (")[0].replace("Megatron-LM ", "")
+
+# Flags of newer Megatron-LM releases (estimator.megatron_flags_newer, each with the first release that has it) that
+# cannot change a training step's memory or communication: checkpointing, logging and profiling, inference and RL
+# generation, tokenizers, fault injection, evaluation scheduling, muP's scalings, RoPE-scaling constants and the
+# hyper-parameters of optimizers the estimator refuses anyway. They are listed as ignored; every other newer flag
+# is refused, naming its release.
+NEWER_IGNORED_PREFIXES = (
+    "--async-ckpt-", "--ckpt-", "--disable-ckpt-", "--no-ckpt-", "--flight-recorder-", "--disable-flight-recorder-",
+    "--no-flight-recorder-", "--pytorch-profiler-", "--otel-", "--inference-", "--no-inference-", "--mamba-inference-",
+    "--rl-", "--no-rl-", "--tokenizer-", "--disable-tokenizer-", "--no-tokenizer-", "--null-tokenizer-",
+    "--fault-injector-", "--mup-", "--lion-", "--muon-", "--yarn-", "--no-yarn-")
+NEWER_IGNORED = {
+    "--async-strategy", "--dist-ckpt-workers", "--override-ckpt-iteration", "--verify-integrity", "--enable-msc",
+    "--disable-stream-ckpt-dequant", "--no-stream-ckpt-dequant", "--nvtx-ranges", "--record-shapes",
+    "--gpu-sniff-test-interval", "--save-params-interval", "--save-tokens-per-expert-interval",
+    "--num-speculative-tokens", "--chat-template", "--disable-save-tokenizer-assets", "--no-save-tokenizer-assets",
+    "--start-eval-at-iter", "--validation-set-names", "--exit-signal-handler-for-training", "--use-mup",
+    "--use-same-sampling-seed-across-dp-ranks",
+}
 
 _NO_FORMULAS = "no formula set measures it"
 
@@ -118,17 +142,31 @@ TOOL_OPTIONS = ("--json", "--exit-code", "--search", "--top", "--formulas", "--p
 
 
 def known(flag: str) -> bool:
-    return flag in MEGATRON_LM or flag in TORCHRUN
+    return flag in MEGATRON_LM or flag in TORCHRUN or flag in NEWER
 
 
 def values_taken(flag: str) -> object:
     """0, 1, '?', '*' or '+': how many tokens follow the flag in Megatron-LM's (or torchrun's) parser."""
-    row = MEGATRON_LM.get(flag) or TORCHRUN.get(flag)
+    row = MEGATRON_LM.get(flag) or TORCHRUN.get(flag) or NEWER.get(flag)
     return row[1]
+
+
+def newer_release(flag: str) -> str | None:
+    """The first newer Megatron-LM release that has a flag the modelled release lacks; None for the others."""
+    row = NEWER.get(flag)
+    return row[2] if row is not None and flag not in MEGATRON_LM else None
+
+
+def newer_ignored(flag: str) -> bool:
+    return flag in NEWER_IGNORED or flag.startswith(NEWER_IGNORED_PREFIXES)
 
 
 def refusal(flag: str, values: list) -> str | None:
     """The reason a given Megatron-LM flag cannot be estimated, or None when it changes nothing."""
+    release = newer_release(flag)
+    if release is not None:
+        return None if newer_ignored(flag) else \
+            f"it is a flag of Megatron-LM {release}, newer than {BASE_RELEASE} (the release this estimator models)"
     if flag in REFUSED:
         return REFUSED[flag]
     rule = REFUSED_UNLESS.get(flag)
@@ -140,7 +178,7 @@ def refusal(flag: str, values: list) -> str | None:
 def unknown_message(flag: str, extra: tuple = ()) -> str:
     """Megatron-LM's parser's complaint, with the nearest real flags."""
     import difflib  # on the error path only: its import costs the CLI's start-up
-    candidates = [c for c in dict.fromkeys([*MEGATRON_LM, *TORCHRUN, *TOOL_OPTIONS, *extra])   # each once,
+    candidates = [c for c in dict.fromkeys([*MEGATRON_LM, *NEWER, *TORCHRUN, *TOOL_OPTIONS, *extra])   # each once,
                   if c != flag]                                                                # never itself
     close = [RENAMED[flag]] if flag in RENAMED else difflib.get_close_matches(flag, candidates, n=3, cutoff=0.75)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""

@@ -418,7 +418,10 @@ def _section_notes(report) -> list[str]:
     cfg = report.cfg
     if not cfg.ignored_args:
         return []
-    return _wrap(["Ignored (no effect on memory or communication): " + " ".join(cfg.ignored_args)])
+    from estimator.flag_policy import newer_release
+    tokens = [f"{t} [{newer_release(t)}]" if newer_release(t) else t for t in cfg.ignored_args]
+    note = "; [the newer Megatron-LM release a flag comes from]" if tokens != cfg.ignored_args else ""
+    return _wrap([f"Ignored (no effect on memory or communication{note}): " + " ".join(tokens)])
 
 
 def _section_modelled(report) -> list[str]:
