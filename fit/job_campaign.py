@@ -2,8 +2,9 @@
 [Megatron-LM flags]: profile a shrunk copy of one training job, fit its allocation programs, check them.
 
 What `profile-training-info ... --campaign DIR` runs (tracer/launch.py). Steps, each said as it happens:
-1. the plan (fit.job_plan): the job's model with few layers, four shapes, its own layout and two others, each
-   traced one rank per rank class on torch's fake process group; printed with its expected time before it runs;
+1. the plan (fit.job_plan): the job's model with few layers, four shapes, its own layout and a few others, each
+   traced one rank per rank class on torch's fake process group, every run sized to fit the device (the
+   estimator's default set decides); printed with its expected time before it runs;
 2. the runs (fit.campaign), traces in DIR/traces/<run>/; an interrupted campaign resumes where it stopped;
 3. the fit (fit.programs): DIR/formulas.json and its provenance, with the stack the runs had (device, kernels,
    versions, target) in the set's `profiled` field, so an estimate with it says what it predicts;
@@ -85,6 +86,21 @@ def validate(run_dir: str, set_path: str) -> list:
     return predicted_and_measured(run_dir, fset)
 
 
+def rank_memory(device: str, jobs: int) -> float | None:
+    """The memory one traced rank may take: 90% of the GPU's, or on CPU 80% of the host's share of the runs at
+    once; None where it cannot be read."""
+    if device != "cpu":
+        try:
+            import torch
+            return 0.9 * torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        except ImportError:
+            return None
+    try:
+        return 0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(jobs, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _config(run) -> Config:
     return Config(run.name, list(run.argv), run.world, ranks=list(run.ranks))
 
@@ -98,7 +114,7 @@ def run(argv: list, out: str, device: str, jobs: int, iterations: int, plan_only
                         f"supported by --campaign yet)")
     out = os.path.abspath(out)
     world, flags = job_world(argv)
-    plan: Plan = make_plan(flags, world)
+    plan: Plan = make_plan(flags, world, rank_memory(device, jobs), device)
     say(plan.describe(device, jobs))
     if plan_only:
         return 0

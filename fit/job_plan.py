@@ -162,9 +162,21 @@ def _flag(argv: list, flag: str) -> int:
     return int(argv[argv.index(flag) + 1])
 
 
-def make_plan(job_argv: list, job_world: int) -> Plan:
+def _peak(argv: list, world: int, device: str) -> float:
+    """The estimator's highest rank peak for a planned run (the default set), with a reserved-memory margin and,
+    on a GPU, the CUDA context: what the run needs on the device that traces it."""
+    from estimator.memory import estimate
+    from estimator.verdict import DEFAULTS
+    est = estimate(_parse(argv, world), None, device=device)
+    extra = DEFAULTS["cuda_context_gib"] * 2 ** 30 if device != "cpu" else 0.0
+    return max(r.peak_bytes for r in est.ranks) * 1.15 + extra
+
+
+def make_plan(job_argv: list, job_world: int, limit_bytes: float | None = None, device: str = "cuda") -> Plan:
     """The plan for a job: `job_argv` its Megatron flags (the training script's arguments), `job_world` its
-    number of processes."""
+    number of processes. limit_bytes: the memory one traced rank may take (the device's, or the host's share on
+    CPU): a layout whose largest run would not fit takes the smallest power-of-two TP up to the job's that fits, and
+    sequences are halved while the job's own layout does not fit (the estimator's default set decides)."""
     from tracer.fake_world import pipeline_ranks
     cfg = _parse(job_argv, job_world)
     base = _strip(job_argv)
@@ -174,27 +186,13 @@ def make_plan(job_argv: list, job_world: int) -> Plan:
     sp = bool(cfg.sequence_parallel)
     unit = _seq_unit(cfg)
     s = max(unit, cfg.seq_length // unit * unit)
-    shapes = [(s, 1), (_half(s, unit), 1), (s, 2), (_half(s, unit), 3)]
     plan = Plan(list(job_argv), job_world)
-    if s != cfg.seq_length:
-        plan.notes.append(f"sequence {cfg.seq_length} is traced as {s} (a multiple of {unit}); sizes are exact "
-                          f"in s, so the job's own is predicted")
 
-    layouts = [("job", "the job's layout" + (f" (TP {tp}{' + SP' if sp else ''}, PP {pp}"
-                                             f"{f' x {vpp} virtual' if vpp > 1 else ''}, CP {cp}, EP {ep})"),
-                tp, pp, vpp, sp, cp, ep, etp)]
-    if tp > 1 or cp > 1 or pp > 1:
-        layouts.append(("tp1", "one rank per tensor (TP 1, CP 1, PP 1)", 1, 1, 1, False, 1, ep, 1))
-    if pp == 1:
-        layouts.append(("pp2", "two pipeline stages (TP 1, PP 2)", 1, 2, 1, False, 1, ep, 1))
-    if cp > 1:
-        layouts.append(("cp", f"context parallelism alone (CP {cp})", 1, 1, 1, False, cp, ep, 1))
-    if ep > 1:
-        layouts.append(("ep", f"half the expert parallelism (EP {ep // 2})", 1, 1, 1, False, 1, ep // 2, 1))
-    for key, desc, t, p, v, spl, c, e, et in layouts:
+    def runs_of(key, t, p, v, spl, c, e, et, seq_max):
         dp = _data_parallel(cfg, t, c, e, et)
         world = t * p * c * dp
-        for seq, mb in shapes:
+        out = []
+        for seq, mb in [(seq_max, 1), (_half(seq_max, unit), 1), (seq_max, 2), (_half(seq_max, unit), 3)]:
             argv = _run_argv(base, cfg, tp=t, pp=p, vpp=v, sp=spl, seq=seq, mb=mb, dp=dp,
                              layers_per_chunk=1 if v > 1 else 2, microbatches=max(2, p))
             if c != cp or "--context-parallel-size" in argv:
@@ -203,18 +201,68 @@ def make_plan(job_argv: list, job_world: int) -> Plan:
                 argv = _set_flag(argv, "--expert-model-parallel-size", e)
             if cfg.num_experts and "--expert-tensor-parallel-size" in argv:
                 argv = _set_flag(argv, "--expert-tensor-parallel-size", et)
-            pcfg = _parse(argv, world)
-            plan.runs.append(PlannedRun(f"{key}_s{seq}_b{mb}", argv, world, pipeline_ranks(pcfg), desc, (seq, mb)))
+            out.append((f"{key}_s{seq}_b{mb}", argv, world, (seq, mb)))
+        return out
+
+    def fits(runs) -> bool:
+        # the largest shapes: (s, 2) and (s/2, 3)
+        return limit_bytes is None or all(_peak(a, w, device) <= limit_bytes for _, a, w, _ in runs[2:])
+
+    job = runs_of("job", tp, pp, vpp, sp, cp, ep, etp, s)
+    while not fits(job) and _half(s, unit) < s:
+        s = _half(s, unit)
+        job = runs_of("job", tp, pp, vpp, sp, cp, ep, etp, s)
+    if not fits(job):
+        raise PlanError(f"even the job's own layout with {pp * vpp * (1 if vpp > 1 else 2)} layers and sequence "
+                        f"{s} does not fit in {limit_bytes / 2**30:.1f} GiB per traced rank")
+    if s != cfg.seq_length:
+        plan.notes.append(f"sequences up to {s} are traced (the job's: {cfg.seq_length}); sizes are exact in s, so "
+                          f"the job's own is predicted")
+    layouts = [("job", "the job's layout" + (f" (TP {tp}{' + SP' if sp else ''}, PP {pp}"
+                                             f"{f' x {vpp} virtual' if vpp > 1 else ''}, CP {cp}, EP {ep})"),
+                tp, pp, vpp, sp, cp, ep, etp)]
+    if tp > 1 or cp > 1 or pp > 1:
+        layouts.append(("tp1", "one rank per tensor (TP {t}, CP 1, PP 1)", 1, 1, 1, False, 1, ep, 1))
+    if pp == 1:
+        layouts.append(("pp2", "two pipeline stages (TP {t}, PP 2)", 1, 2, 1, False, 1, ep, 1))
+    if cp > 1:
+        layouts.append(("cp", f"context parallelism alone (TP {{t}}, CP {cp})", 1, 1, 1, False, cp, ep, 1))
+    if ep > 1:
+        layouts.append(("ep", f"half the expert parallelism (TP {{t}}, EP {ep // 2})", 1, 1, 1, False, 1, ep // 2,
+                        1))
+    for key, desc, t, p, v, spl, c, e, et in layouts:
+        runs = job if key == "job" else runs_of(key, t, p, v, spl, c, e, et, s)
+        while key != "job" and t < tp and not fits(runs):
+            t *= 2
+            runs = runs_of(key, t, p, v, sp, c, e, min(et * 2, etp) if cfg.num_experts else et, s)
+        if key != "job" and not fits(runs):
+            plan.notes.append(f"left out: {desc.format(t=t)} does not fit in {limit_bytes / 2**30:.1f} GiB")
+            continue
+        if key != "job" and t == tp > 1:
+            plan.notes.append(f"{desc.format(t=t)}: only the job's TP fits, so TP is traced at one value")
+        for name, argv, world, shape in runs:
+            name = name.replace("tp1_", f"tp{t}_", 1)     # its TP where the device needed more than one
+            plan.runs.append(PlannedRun(name, argv, world, pipeline_ranks(_parse(argv, world)), desc.format(t=t),
+                                        shape))
 
     # Validation: the job's own layout and shape with more layers and microbatches than any traced run, so the
     # comparison is a config the fit never saw.
     dp = _data_parallel(cfg, tp, cp, ep, etp)
     per_chunk = 1 if vpp > 1 else 2
     layers_per_chunk = min(max(per_chunk + 1, cfg.num_layers // (pp * vpp)), 2 * per_chunk + 2)
-    vargv = _run_argv(base, cfg, tp=tp, pp=pp, vpp=vpp, sp=sp, seq=cfg.seq_length, mb=cfg.micro_batch_size, dp=dp,
-                      layers_per_chunk=layers_per_chunk, microbatches=max(4, 2 * pp))
     world = tp * pp * cp * dp
+    vseq = cfg.seq_length
+    while True:
+        vargv = _run_argv(base, cfg, tp=tp, pp=pp, vpp=vpp, sp=sp, seq=vseq, mb=cfg.micro_batch_size, dp=dp,
+                          layers_per_chunk=layers_per_chunk, microbatches=max(4, 2 * pp))
+        if limit_bytes is None or _peak(vargv, world, device) <= limit_bytes or layers_per_chunk == per_chunk + 1:
+            break
+        layers_per_chunk -= 1     # fewer layers first (still more than any traced run), then the plan's sequence
+    if limit_bytes is not None and _peak(vargv, world, device) > limit_bytes:
+        vseq = s
+        vargv = _run_argv(base, cfg, tp=tp, pp=pp, vpp=vpp, sp=sp, seq=vseq, mb=min(cfg.micro_batch_size, 2), dp=dp,
+                          layers_per_chunk=layers_per_chunk, microbatches=max(4, 2 * pp))
     plan.validation = PlannedRun("validation", vargv, world, pipeline_ranks(_parse(vargv, world)),
                                  f"the job's layout with {pp * vpp * layers_per_chunk} layers",
-                                 (cfg.seq_length, cfg.micro_batch_size))
+                                 (vseq, _flag(vargv, "--micro-batch-size")))
     return plan

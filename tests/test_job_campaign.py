@@ -176,3 +176,33 @@ def test_campaign_end_to_end_predicts_another_layout_of_the_job(tmp_path):
     assert [r for r, *_ in rows] == [0, 1]
     for rank, stage, predicted, measured in rows:
         assert abs(predicted - measured) / measured <= 0.01, (rank, predicted, measured)
+
+
+def test_plan_fits_each_run_on_the_device():
+    """A Llama-3-70B-shaped job (TP 8 + SP, PP 4, sequence 8192) planned for one 80 GB GPU: the runs that would take
+    TP 1 take the smallest TP that fits (the estimator's default set decides), and every run and the validation
+    fit; with a smaller device the sequences are halved first."""
+    from fit.job_plan import _peak
+    job = shlex.split("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+                      "--group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 "
+                      "--micro-batch-size 1 --global-batch-size 128 --vocab-size 128256 --bf16 --swiglu --normalization "
+                      "RMSNorm --position-embedding-type rope --disable-bias-linear "
+                      "--untie-embeddings-and-output-weights --tensor-model-parallel-size 8 "
+                      "--pipeline-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer")
+    limit = 0.9 * 80 * 2 ** 30
+    plan = make_plan(job, 256, limit, "cuda")
+    tps = {parse_args(["--nproc_per_node", str(r.world)] + r.argv).tensor_model_parallel_size for r in plan.runs}
+    assert tps == {8, 2} and {r.name.split("_s")[0] for r in plan.runs} == {"job", "tp2"}
+    for r in plan.runs + [plan.validation]:
+        assert _peak(r.argv, r.world, "cuda") <= limit
+    # without a limit the same plan would trace TP 1 (which does not fit)
+    free = make_plan(job, 256)
+    one = next(r for r in free.runs if r.name == "tp1_s8192_b2")
+    assert _peak(one.argv, one.world, "cuda") > limit
+    # a 40 GB device: TP 4 for those runs; a 12 GiB one: the job's own layout needs shorter sequences first
+    mid = make_plan(job, 256, 0.9 * 40 * 2 ** 30, "cuda")
+    assert {r.name.split("_s")[0] for r in mid.runs} == {"job", "tp4"}
+    small = make_plan(job, 256, 12 * 2 ** 30, "cuda")
+    assert max(r.shape[0] for r in small.runs) == 4096 and any("sequences up to 4096" in n for n in small.notes)
+    for r in small.runs + [small.validation]:
+        assert _peak(r.argv, r.world, "cuda") <= 12 * 2 ** 30
