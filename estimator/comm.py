@@ -8,7 +8,8 @@ and DP with and without the distributed optimizer; CP and EP rows are modelled):
 - TP + SP: per layer forward 2 all-gathers + 2 reduce-scatters, backward 4 all-gathers (input re-gather for the
   weight grad, and the reduce-scatters' backward) + 2 reduce-scatters; the embedding reduce-scatters [s, b, h] (rope or no
   positions; with learned positions it all-reduces [b, s, h], then splits) and all-gathers in backward; the output layer all-gathers forward and backward and reduce-scatters
-  its input grad; after backward, one all-reduce of the grads of TP-replicated params (norms, row-parallel biases).
+  its input grad; after backward, one all-reduce of the grads of TP-replicated params (norms, row-parallel biases,
+  MoE routers and shared-expert gates).
 - PP: per microbatch, send of activations [s/cp/(t if SP), b, h] forward and of their grads backward.
 - DP: megatron DDP's grad buffer per bucket (grad dtype; padded under the distributed optimizer): all-reduce, or
   reduce-scatter + all-gather of the param buffer (param dtype) with the distributed optimizer.
@@ -197,9 +198,41 @@ def layers_per_stage(cfg: Any) -> list:
     return [fixed.get(p, each) for p in range(pp)]
 
 
+def tp_replicated_grad_elements(cfg: Any) -> list:
+    """Per PP stage: the gradient elements megatron-core all-reduces over TP after the backward
+    (finalize_model_grads._allreduce_non_tensor_model_parallel_grads): parameters tagged sequence_parallel under SP
+    and qk-layernorm weights; 0 without TP."""
+    pp = _g(cfg, "pipeline_model_parallel_size", 1)
+    if _g(cfg, "tensor_model_parallel_size", 1) <= 1:
+        return [0] * pp
+    mtp = _g(cfg, "mtp_num_layers") or 0
+    layers = layers_per_stage(cfg)
+    sp, h = bool(_g(cfg, "sequence_parallel", False)), _g(cfg, "hidden_size")
+    moe = [0] * pp
+    if _g(cfg, "num_experts") and sp:
+        pattern = moe_layer_pattern(cfg)
+        moe = _moe_layers_per_stage(pattern, layers)
+        if mtp and pattern[-1]:
+            moe[-1] += mtp
+    # per MoE layer under SP: the router's weight [E, h] and bias [E], the shared experts' gate [1, h], and with
+    # biases (expert TP 1 only) each local expert's output bias [h] where a dense layer has one
+    e = _g(cfg, "num_experts") or 0
+    bias = _g(cfg, "add_bias_linear", True)
+    local = e // max(1, _g(cfg, "expert_model_parallel_size", 1) or 1)
+    per_moe = e * h + (e + (local - 1) * h if bias else 0) + (h if _g(cfg, "moe_shared_expert_gate", False) else 0)
+    out = []
+    for p in range(pp):
+        n = _tp_replicated_elements(cfg, layers[p] + (mtp if p == pp - 1 else 0), p == pp - 1)
+        if n and p == pp - 1 and sp:   # MTP's three norms per layer
+            n += 3 * mtp * h * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
+        out.append(n + moe[p] * per_moe)
+    return out
+
+
 def _tp_replicated_elements(cfg: Any, layers: int, last: bool) -> int:
     """Grad elements all-reduced over TP after backward: params tagged sequence_parallel (norms, row-parallel
-    biases) with SP, plus qk-layernorm weights. Dense layers only; MoE expert biases are not included (modelled)."""
+    biases) with SP, plus qk-layernorm weights, for every layer (tp_replicated_grad_elements adds what an MoE layer
+    has besides)."""
     h = _g(cfg, "hidden_size")
     norm = h * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
     n = 0
@@ -384,6 +417,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                                phase, modelled, direction))
 
     full_act, first, last = (s, b, h), [0], [pp - 1]
+    replicated = tp_replicated_grad_elements(cfg)
     recompute_full = _g(cfg, "recompute_granularity") == "full"
     if t > 1:
         # (op, what, phase, calls per layer, recomputed, shape, bytes): multi-latent attention's own, or the standard
@@ -407,12 +441,10 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
                     if per_mb != 0:
                         rows.append(Collective("tp", op, what, "tp", size, groups, ranks, shape, pdt, nbytes,
                                                per_mb, per_mb * m, phase, recomputed, ""))
-        sp_elems = _tp_replicated_elements(cfg, L, p == pp - 1) if t > 1 else 0
-        if sp_elems and p == pp - 1 and sp:     # MTP's three norms per layer (its layers are counted in L)
-            sp_elems += 3 * mtp * h * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
+        sp_elems = replicated[p]
         if sp_elems:
-            add("tp", "all-reduce", "grads of TP-replicated params (norms, row-parallel biases)", "tp", (sp_elems,),
-                gdt, 0, [p], "step", per_iter=1)
+            add("tp", "all-reduce", "grads of TP-replicated params (norms, row-parallel biases, MoE routers)", "tp",
+                (sp_elems,), gdt, 0, [p], "step", per_iter=1)
 
     if t > 1:
         # megatron-core reduce-scatters the vocab-parallel embedding's output straight into the sequence-parallel

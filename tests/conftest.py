@@ -113,6 +113,9 @@ def transformer_config(cfg):
     return TransformerConfig(**kwargs)
 
 
+TP_REPLICATED = ("<grads all-reduced over TP>", None)   # a key of megatron_param_counts beside the ops'
+
+
 def megatron_param_counts(cfg, pp_rank: int) -> dict:
     """{(op, layer): numel} over every model chunk this process builds for pipeline rank `pp_rank`."""
     from megatron.core.models.gpt import GPTModel
@@ -123,7 +126,7 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
     config = transformer_config(cfg)
     # MLA only builds with Transformer Engine's spec (megatron-core's local attention takes no k_channels): its
     # modules' CPU stand-ins (tracer.standins) hold TE's parameters
-    te = cfg.multi_latent_attention
+    te = cfg.multi_latent_attention or cfg.transformer_impl == "transformer_engine"
     if te:
         from tracer.standins import _install_te_spec
         _install_te_spec()
@@ -149,6 +152,12 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
         for name, param in model.named_parameters():
             key = op_of_param(name, chunk_layers, cfg.num_layers)
             counts[key] = counts.get(key, 0) + param.numel()
+            # the gradients megatron-core all-reduces over TP after the backward (finalize_model_grads.
+            # _allreduce_non_tensor_model_parallel_grads; summed where sequence parallelism or qk-layernorm tags them)
+            if cfg.tensor_model_parallel_size > 1 and param.requires_grad and (
+                    (config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                    or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))):
+                counts[TP_REPLICATED] = counts.get(TP_REPLICATED, 0) + param.numel()
     return counts
 
 

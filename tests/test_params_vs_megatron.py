@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
-from conftest import run_on_gloo_world  # noqa: E402
+from conftest import TP_REPLICATED, run_on_gloo_world  # noqa: E402
 from estimator.args import parse_args  # noqa: E402
 from estimator.model import rank_params  # noqa: E402
 
@@ -101,6 +101,19 @@ CASES = {
                           "--moe-shared-expert-intermediate-size 16 --expert-model-parallel-size 2 "
                           "--moe-token-dispatcher-type alltoall --pipeline-model-parallel-size 2 "
                           "--pipeline-model-parallel-layout 'Ett|tmL'",
+    # the two MoE cases above and below with sequence parallelism (Transformer Engine's spec, on its CPU stand-ins:
+    # torch's norms refuse SP): the router's weight and bias and the shared-expert gate are all-reduced over TP
+    # too (test_tp_replicated_grads_equal_megatron)
+    "moe_shared_gate_tp2_ep2_sp": "--num-layers 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                                  "--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+                                  "--moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate "
+                                  "--tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+                                  "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall "
+                                  "--sequence-parallel --transformer-impl transformer_engine",
+    "moe_tp2_ep2_etp1_sp": "--num-layers 4 --num-experts 4 --moe-layer-freq 2 --tensor-model-parallel-size 2 "
+                           "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+                           "--moe-token-dispatcher-type alltoall --sequence-parallel --qk-layernorm "
+                           "--transformer-impl transformer_engine",
     # MoE: TP2 with EP2 and expert-TP1, gelu with biases (router bias too), every 2nd layer MoE
     "moe_tp2_ep2_etp1": "--num-layers 4 --num-experts 4 --moe-layer-freq 2 --tensor-model-parallel-size 2 "
                         "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
@@ -129,6 +142,7 @@ def test_rank_params_equal_megatron(megatron_results, case_id):
     assert len(ranks) == WORLD
     for _, rank, coords, measured, error in ranks:
         assert error is None, f"rank {rank}: megatron-core failed to build: {error}"
+        measured = {k: v for k, v in measured.items() if k != TP_REPLICATED}
         estimated = _estimated(cfg, coords["pp"])
         assert estimated == measured, f"rank {rank} {coords}"
         assert rank_params(cfg, coords["pp"]).total == sum(measured.values())
@@ -149,3 +163,16 @@ def test_tied_copy_only_on_last_stage(megatron_results):
     last = [op for op in rank_params(cfg, 1).ops if op.op == "output_layer"]
     assert len(last) == 1 and last[0].shared_embedding
     assert not [op for op in rank_params(cfg, 0).ops if op.op == "output_layer"]
+
+
+@pytest.mark.parametrize("case_id", [c for c in CASES if "tensor-model-parallel-size" in CASES[c]])
+def test_tp_replicated_grads_equal_megatron(megatron_results, case_id):
+    """The gradient elements megatron-core all-reduces over TP after the backward (parameters tagged
+    sequence_parallel under SP, qk-layernorm weights), per rank, equal the communication model's per stage."""
+    from estimator.comm import tp_replicated_grad_elements
+    configs, results = megatron_results
+    cfg = configs[case_id]
+    per_stage = tp_replicated_grad_elements(cfg)
+    for _, rank, coords, measured, error in [r for r in results if r[0] == case_id]:
+        assert error is None, error
+        assert per_stage[coords["pp"]] == measured.get(TP_REPLICATED, 0), f"rank {rank} {coords}"
