@@ -208,12 +208,7 @@ def tp_replicated_grad_elements(cfg: Any) -> list:
     mtp = _g(cfg, "mtp_num_layers") or 0
     layers = layers_per_stage(cfg)
     sp, h = bool(_g(cfg, "sequence_parallel", False)), _g(cfg, "hidden_size")
-    moe = [0] * pp
-    if _g(cfg, "num_experts") and sp:
-        pattern = moe_layer_pattern(cfg)
-        moe = _moe_layers_per_stage(pattern, layers)
-        if mtp and pattern[-1]:
-            moe[-1] += mtp
+    moe = moe_layers_per_stage(cfg, layers) if _g(cfg, "num_experts") and sp else [0] * pp
     # per MoE layer under SP: the router's weight [E, h] and bias [E], the shared experts' gate [1, h], and with
     # biases (expert TP 1 only) each local expert's output bias [h] where a dense layer has one
     e = _g(cfg, "num_experts") or 0
@@ -520,10 +515,7 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     num_experts = _g(cfg, "num_experts")
     if num_experts and (ep > 1 or lay.etp > 1):
         k = _g(cfg, "moe_router_topk", 2)
-        pattern = moe_layer_pattern(cfg)
-        moe_layers = _moe_layers_per_stage(pattern, decoder_layers)
-        if mtp and pattern[-1]:
-            moe_layers[-1] += mtp
+        moe_layers = moe_layers_per_stage(cfg, decoder_layers)
         tokens = s * b // (t if sp else 1)
         disp = _g(cfg, "moe_token_dispatcher_type", "allgather")
         routing = moe_tokens.routing(cfg)
@@ -566,6 +558,17 @@ def communication(cfg: Any, layout: Optional[ParallelLayout] = None,
     add("optimizer", "all-reduce", "grad-norm (fp32 scalar)", "world" if dist_opt else "tp-pp",
         (1,), "fp32", 0, list(range(pp)), "step", per_iter=1)
     return CommReport(collectives=rows, layout=lay, notes=notes)
+
+
+def moe_layers_per_stage(cfg: Any, decoder_layers: Sequence[int]) -> list:
+    """MoE layers per stage (decoder_layers: layers_per_stage), the last stage's MTP layers counted where the
+    decoder's last layer, whose spec they repeat, is an MoE one."""
+    pattern = moe_layer_pattern(cfg)
+    out = _moe_layers_per_stage(pattern, decoder_layers)
+    mtp = _g(cfg, "mtp_num_layers") or 0
+    if mtp and pattern[-1]:
+        out[-1] += mtp
+    return out
 
 
 def _moe_layers_per_stage(pattern: Sequence[int], layers: Sequence[int]) -> list:

@@ -343,17 +343,13 @@ def _section_config(report) -> list[str]:
     return _wrap(_describe(report.cfg))
 
 
-def summary_profiled(fset) -> list[str]:
-    from estimator.summary import profiled_lines
-    return profiled_lines(fset)
-
-
 def _section_formulas(report) -> list[str]:
+    from estimator.summary import profiled_lines   # summary imports this module's helpers
     modelled = report.formula_set.kind == "modelled"
     return _wrap([f"Activation formulas: {report.formula_set.name} ({report.formula_set.kind})"
             + (" -- activations are MODELLED from published analysis, not measured" if modelled else
                " -- fitted from measured traces"),
-            *summary_profiled(report.formula_set),
+            *profiled_lines(report.formula_set),
             *_fallback_lines(report.estimate.fallbacks),
             *_coverage_lines(report.estimate.coverage)])
 

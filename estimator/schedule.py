@@ -127,8 +127,9 @@ def p2p_counts(seq: Sequence[Tuple[str, int]], recv: Sequence[bool], sends: Sequ
         if kind == "F":
             # 1F1B, a forward right after the chunk's own backward: that backward's input and its gradient stay
             # referenced until this forward is done (elsewhere set_input_tensor releases the kept input at once)
-            late = recv[c] and not fl[c] and not interleaved and i > 0 and seq[i - 1] == ("B", c)
-            if recv[c] and not fl[c] and not late:
+            kept = recv[c] and not fl[c]
+            late = kept and not interleaved and i > 0 and seq[i - 1] == ("B", c)
+            if kept and not late:
                 held -= 1  # set_input_tensor replaces the kept input
             n = 2 * held
             if prev >= 0 and recv[prev] and (fl[prev] or prev == c) and not late:
@@ -332,8 +333,9 @@ class _Walk:
         """Forward of chunk x; nxt_b: the chunk of the next step if that is a backward."""
         fl = self.fl
         # as p2p_counts: a 1F1B forward right after its chunk's backward keeps that backward's input until it is done
-        late = self.recv[x] and not fl[x] and not self.inter and self.last_b == x
-        if self.recv[x] and not fl[x] and not late:
+        kept = self.recv[x] and not fl[x]
+        late = kept and not self.inter and self.last_b == x
+        if kept and not late:
             self.held -= 1  # set_input_tensor replaces the kept input
         lv = self.level
         if self.p2p:

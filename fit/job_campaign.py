@@ -33,12 +33,11 @@ def job_world(argv: list) -> tuple[int, list]:
     from estimator.args import ConfigError, parse_args
     from estimator.torchrun import split
     line = split(argv)
-    flags = line.script_args if line.script is not None else (line.script_args or [])
     try:
-        cfg = parse_args(line.world_flags() + flags)
+        cfg = parse_args(line.world_flags() + line.script_args)
     except ConfigError as exc:
         raise PlanError(str(exc)) from None
-    return int(cfg.world_size), [a for a in flags]
+    return int(cfg.world_size), list(line.script_args)
 
 
 def _write_json(path: str, obj) -> None:
@@ -49,13 +48,8 @@ def _write_json(path: str, obj) -> None:
 
 def profiled_stack(run_dirs: list, device: str, target: str) -> dict:
     """What the runs had, from their headers: device, kernel families, versions (the set records it)."""
-    from .dataset import header_kernels, traced_ranks
-    hdr = {}
-    for d in run_dirs:
-        r = traced_ranks(d)[0]
-        with open(os.path.join(d, f"rank{r}.json"), encoding="utf-8") as fh:
-            hdr = json.load(fh)
-        break
+    from .dataset import header_kernels, run_argv
+    hdr = run_argv(run_dirs[0])[1]
     out = {"device": "cpu" if device == "cpu" else "cuda", "target": target,
            "kernels": header_kernels(hdr), "versions": dict(hdr.get("versions") or {}),
            "process_group": hdr.get("process_group", "fake")}
@@ -66,16 +60,10 @@ def profiled_stack(run_dirs: list, device: str, target: str) -> dict:
 
 def fit_set(run_dirs: list, out_path: str, profiled: dict) -> str:
     """Fit the program set of the plan's runs into out_path; the fit's summary."""
-    from estimator import programs as P
-    from .programs.build import _summary, _write, check_runs, documents, fit_runs, load_runs
-    t0 = time.time()
-    runs = load_runs(run_dirs)
-    cells = fit_runs(runs)
-    doc, prov = documents(runs, cells, "job", f"Allocation programs of one job's ops, fitted from {len(runs)} "
-                                              f"runs of its shrunk copy (fit.job_campaign)", profiled)
-    _write(out_path, doc, prov)
-    report = check_runs(P.from_dict(doc, out_path), runs)
-    return _summary(out_path, runs, cells, prov, report, time.time() - t0)
+    from .programs.build import fit_set as fit
+    summary, _ = fit(run_dirs, out_path, "job", f"Allocation programs of one job's ops, fitted from "
+                                               f"{len(run_dirs)} runs of its shrunk copy (fit.job_campaign)", profiled)
+    return summary
 
 
 def validate(run_dir: str, set_path: str) -> list:

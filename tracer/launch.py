@@ -9,7 +9,7 @@ Profiler options come from $MEMTRACE_ARGS or from the line itself (before the sc
 with the same flags instead of the script), --dry-run (print the command, run nothing).
 
 --campaign DIR profiles the job instead of running it (fit.job_campaign): a plan of small runs of the same model
-(few layers, four shapes, its own layout and two others, one rank per rank class on torch's fake process group),
+(few layers, four shapes, its own layout and a few others, one rank per rank class on torch's fake process group),
 traced, fitted into DIR/formulas.json, and checked on a config no run had; then
 `get-training-info <the same line> --formulas DIR/formulas.json` predicts the job. --jobs N runs N at once.
 """

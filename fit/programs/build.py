@@ -261,17 +261,25 @@ def main(argv=None) -> int:
             return _check(a.check)
         if not a.paths or not a.output:
             ap.error("give run directories and -o SET.json (or --check SET.json)")
-        t0 = time.time()
-        runs = load_runs(a.paths, a.accept_damaged)
-        cells = fit_runs(runs)
-        doc, prov = documents(runs, cells, a.name, a.description)
-        _write(a.output, doc, prov)
-        report = check_runs(P.from_dict(doc, a.output), runs)
-        print(_summary(a.output, runs, cells, prov, report, time.time() - t0))
-        return 1 if unnamed(report, prov) else 0
+        summary, lost = fit_set(a.paths, a.output, a.name, a.description, accept_damaged=a.accept_damaged)
+        print(summary)
+        return 1 if lost else 0
     except (DatasetError, P.ProgramError, OSError) as exc:
         print(f"fit.programs: error: {exc}", file=sys.stderr)
         return 2
+
+
+def fit_set(paths: list, output: str, name: str, description: str, profiled: dict | None = None,
+            accept_damaged: bool = False) -> tuple:
+    """Fit the runs under `paths` into the set `output` (and its provenance), replay every run against it:
+    (the summary, the label phases not reproduced in runs the provenance does not name)."""
+    t0 = time.time()
+    runs = load_runs(paths, accept_damaged)
+    cells = fit_runs(runs)
+    doc, prov = documents(runs, cells, name, description, profiled)
+    _write(output, doc, prov)
+    report = check_runs(P.from_dict(doc, output), runs)
+    return _summary(output, runs, cells, prov, report, time.time() - t0), unnamed(report, prov)
 
 
 def _write(path: str, doc: dict, prov: dict) -> None:
