@@ -386,6 +386,12 @@ class ChunkActivations:
     bwd_again: Optional[float] = None
 
 
+def with_backward_extra(c: ChunkActivations, extra: float) -> ChunkActivations:
+    """The chunk with `extra` bytes more on top of each of its backwards (a buffer its backward holds)."""
+    return ChunkActivations(c.saved, c.fwd_extra, c.bwd_extra + extra,
+                            None if c.bwd_again is None else c.bwd_again + extra)
+
+
 def fold_chunk(units: Sequence[tuple]) -> ChunkActivations:
     """Units (kept, full, fwd, bwd, rows) run in order forward, in reverse backward."""
     cum = fwd = 0.0

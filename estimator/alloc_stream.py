@@ -409,6 +409,8 @@ def _init_static(cfg, st: Stream, chunks, pp_rank: int, static) -> int:
         st.alloc(static.weights_bytes)
         st.tag = "gradients"
         st.alloc(static.grad_buffer_bytes)
+        st.tag = "parameters"   # the gathered weights' buckets: one block, live throughout (in the estimate's level)
+        st.alloc(sharding.compute_bytes(cfg, chunks)[0])
         return static.weights_bytes + static.grad_buffer_bytes
     pd, gd = precision(cfg)
     pb, gb = DTYPE_BYTES[pd], DTYPE_BYTES[gd]

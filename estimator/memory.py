@@ -218,10 +218,15 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             gpu_bytes = sum([it.bytes for it in runtime])
             # Persistent from the first forward on (reported under `other`): the local attention's global buffer,
             # the rotary cache and the MoE layers' routing state (estimator.persistent_state).
+            # Sharded data parallelism's gathered weights are live while the model computes, its unsharded
+            # gradient buckets in each backward; neither outlives the iteration (estimator.sharding).
+            gathered, grad_buckets = sharding.compute_bytes(cfg, stage_chunks)
+            if grad_buckets:
+                chunks = [A.with_backward_extra(c, grad_buckets) for c in chunks]
             base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers \
-                + gpu_bytes + persistent_state.stage_bytes(cfg, stage_chunks)
-            stage = memo[stage_key] = (chunks, per_op, st, base, runtime, gpu_bytes)
-        chunks, per_op, st, base, runtime, gpu_bytes = stage
+                + gpu_bytes + persistent_state.stage_bytes(cfg, stage_chunks) + gathered
+            stage = memo[stage_key] = (chunks, per_op, st, base, runtime, gpu_bytes, gathered)
+        chunks, per_op, st, base, runtime, gpu_bytes, gathered = stage
         if want_ops:
             per_op = {op: dict(d) for op, d in per_op.items()}  # each stage owns its rows
         if timeline:
@@ -235,11 +240,11 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
         else:
             tl, act = S.rank_timeline(pp, r, M_, chunks, base, st.optimizer_step_transient_bytes,
                                       vp=vp_arg, group=group, p2p=p2p)
-        cats = {"parameters": st.weights_bytes, "gradients": st.grad_buffer_bytes,
+        cats = {"parameters": st.weights_bytes + gathered, "gradients": st.grad_buffer_bytes,
                 "optimizer_states": st.optimizer_bytes, "activations": act, "gpu_runtime": gpu_bytes,
-                "other": tl.peak - st.total_bytes - act - gpu_bytes}
+                "other": tl.peak - st.total_bytes - gathered - act - gpu_bytes}
         # After the step every microbatch is freed: the persistent level plus the p2p tensors the model chunks keep.
-        after = base + (2 * sum(S.p2p_flags(pp, r, vp_arg)[0]) * p2p if p2p else 0)
+        after = base - gathered + (2 * sum(S.p2p_flags(pp, r, vp_arg)[0]) * p2p if p2p else 0)
         ranks.append(RankEstimate(r, st.params, st.expert_params, cats, tl.peak, tl.peak_phase, tl.in_flight_max,
                                   per_op, st, tl if timeline else None, runtime, after))
     top = max(ranks, key=lambda x: x.peak_bytes)

@@ -12,9 +12,10 @@ parameters (param dtype) and their gradients (param dtype) sharded; the Megatron
 and Adam states for the local shards (and, during the step, fp32 copies of 16-bit gradients). Expert parameters
 shard over the expert-data-parallel group.
 
-Temporaries (modelled): while a unit computes, the next one is prefetched, so two units' gathered weights and, in
-backward, two units' unsharded gradients (before their reduce-scatter) are live; without resharding after forward
-(FSDP2) every unit's gathered weights stay from the forward to its backward.
+Temporaries (modelled, compute_bytes): while a unit computes, the next one is prefetched, so two units' gathered
+weights are live from the first forward to the last backward and, in each backward, two units' unsharded gradients
+(before their reduce-scatter); without resharding after forward (FSDP2) every unit's gathered weights stay from the
+forward to its backward. None of them is left after the optimizer step.
 """
 from __future__ import annotations
 
@@ -58,17 +59,21 @@ def validate(cfg) -> None:
                                 "all_gather instead, turning off fp8_param_gather")
 
 
-def _unit_numels(cfg) -> int:
-    """Elements of the largest FSDP unit on a rank: a transformer layer (dense or MoE), the embedding or the output
-    layer, as this rank holds them (TP / EP shards)."""
+def units_in_flight(cfg) -> int:
+    """Elements of the two largest FSDP units on a rank (a transformer layer, dense or MoE; the embedding; the final
+    norm with the output layer, whose weight under tied embeddings on one stage is the embedding's): a unit computes
+    while the next is prefetched, so at most two are gathered (or their gradients unsharded) at once. A bound over
+    the whole model as this rank holds it (TP / EP shards), erring high for a stage that lacks the largest."""
     from estimator import model as M
-    kinds = {}
-    for layer, moe in enumerate(cfg.moe_layer_pattern()):
-        kinds.setdefault(moe, layer)
-    units = [sum(op.numel for op in M.layer_ops(cfg, layer)) for layer in kinds.values()]
+    units = []
+    for moe in (False, True):
+        n = sum(1 for x in cfg.moe_layer_pattern() if bool(x) == moe)
+        if n:
+            layer = next(i for i, x in enumerate(cfg.moe_layer_pattern()) if bool(x) == moe)
+            units += [sum(op.numel for op in M.layer_ops(cfg, layer))] * min(n, 2)
     units.append(sum(op.numel for op in M.head_ops(cfg, True)))
-    units.append(sum(op.numel for op in M.tail_ops(cfg, False, True)))
-    return max(units)
+    units.append(sum(op.numel for op in M.tail_ops(cfg, cfg.pipeline_model_parallel_size == 1, True)))
+    return sum(sorted(units)[-2:])
 
 
 def _dtypes(cfg) -> tuple:
@@ -97,6 +102,25 @@ def fsdp2_local_elements(cfg) -> int:
     return total
 
 
+def compute_bytes(cfg, chunks) -> tuple:
+    """(bytes of gathered weights live while forward and backward run, bytes of unsharded gradients a backward
+    adds on top): the temporary buckets, which megatron-core frees after use (TemporaryBucketAllocator), so none is
+    left after the optimizer step (H100: a Megatron FSDP optim_grads_params run's allocated bytes after the step
+    are its shards and runtime buffers alone, docs/ACCURACY.md). (0, 0) without sharded data parallelism."""
+    if not active(cfg):
+        return 0, 0
+    pd, gd = _dtypes(cfg)
+    how = strategy(cfg)
+    two = units_in_flight(cfg)
+    weights = grads = 0
+    if how == "optim_grads_params":
+        whole = sum(p[0] for chunk in chunks for p in chunk)
+        weights = (two if _reshards(cfg) else whole) * DTYPE_BYTES[pd]
+    if how in ("optim_grads", "optim_grads_params"):
+        grads = two * DTYPE_BYTES[gd]
+    return weights, grads
+
+
 def apply(cfg, st: StaticMemory, chunks) -> StaticMemory:
     """The stage's static memory under sharded data parallelism (replaces the DDP buffers' numbers)."""
     pd, gd = _dtypes(cfg)
@@ -120,14 +144,8 @@ def apply(cfg, st: StaticMemory, chunks) -> StaticMemory:
             return fsdp2_local_elements(cfg)
         return -(-dense // d_dense) + -(-expert // d_expert)
 
-    unit = _unit_numels(cfg)
     weights = sharded(how == "optim_grads_params") * pb
     grads = sharded(how in ("optim_grads", "optim_grads_params")) * gb
-    if how == "optim_grads_params":
-        gathered = 2 * unit if _reshards(cfg) else dense + expert
-        weights += gathered * pb
-    if how in ("optim_grads", "optim_grads_params"):
-        grads += 2 * unit * gb
     # fp32 main params of 16-bit weights, an fp32 copy of 16-bit gradients, Adam's two states (SGD: momentum).
     _, per_param = optimizer_bytes_per_param(cfg)
     # 16-bit gradients' fp32 copies exist during the step only (static_memory): in its transient

@@ -67,8 +67,25 @@ def test_fsdp2_shards_equal_torch_fully_shard():
         p.join(timeout=60)
     assert got[0][1] == MEM.estimate(cfg, "modelled").ranks[0].params     # the whole model, as megatron-core
     assert got[0][0] == sharding.fsdp2_local_elements(cfg) > got[1][0]     # rank 0 holds the larger shards
-    st = MEM.estimate(cfg, "modelled").ranks[0].static
-    assert st.grad_buffer_bytes == 4 * (got[0][0] + 2 * sharding._unit_numels(cfg))   # fp32 model: fp32 grads
+    est = MEM.estimate(cfg, "modelled").ranks[0]
+    assert est.static.grad_buffer_bytes == 4 * got[0][0]   # fp32 model: fp32 grads, the shards alone persist
+    weights, grads = sharding.compute_bytes(cfg, MEM.all_param_chunks(cfg)[0])
+    assert weights == grads == 4 * sharding.units_in_flight(cfg) > 0     # two units gathered while computing
+    assert est.bytes["parameters"] == est.static.weights_bytes + weights
+
+
+def test_megatron_fsdp_gathered_buckets_are_gone_after_the_step():
+    """Gathering the weights (optim_grads_params) adds the two units in flight to the peak, and after the step
+    leaves only the difference of the sharded and the whole weights (the buckets are freed after use)."""
+    base = "--nproc_per_node 8 --global-batch-size 16 --bf16 --use-distributed-optimizer --use-megatron-fsdp "
+    grads, params = (MEM.estimate(parse(base + "--data-parallel-sharding-strategy " + how), "modelled").ranks[0]
+                     for how in ("optim_grads", "optim_grads_params"))
+    gathered, _ = sharding.compute_bytes(parse(base + "--data-parallel-sharding-strategy optim_grads_params"),
+                                         MEM.all_param_chunks(parse(base))[0])
+    assert gathered == 2 * sharding.units_in_flight(parse(base)) > 0
+    assert grads.after_step_bytes - params.after_step_bytes == \
+        grads.static.weights_bytes - params.static.weights_bytes > 0
+    assert params.bytes["parameters"] == params.static.weights_bytes + gathered
 
 
 def test_megatron_fsdp_strategies_shard_more_in_order():
