@@ -127,6 +127,8 @@ class TrainingConfig:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     ddp_bucket_size: Optional[int] = None  # elements per DDP bucket with --overlap-grad-reduce (None: megatron's default)
+    ddp_num_buckets: Optional[int] = None  # Megatron-LM sets the bucket size from it (config_from)
+    num_distributed_optimizer_instances: int = 1   # the distributed optimizer shards over DP x CP / N
     overlap_param_gather: bool = False
     # --- batch ---
     micro_batch_size: Optional[int] = None
@@ -343,6 +345,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--use-distributed-optimizer": ("use_distributed_optimizer", "true"),
     "--overlap-grad-reduce": ("overlap_grad_reduce", "true"),
     "--ddp-bucket-size": ("ddp_bucket_size", "int"),
+    "--ddp-num-buckets": ("ddp_num_buckets", "int"),
+    "--num-distributed-optimizer-instances": ("num_distributed_optimizer_instances", "int"),
     "--overlap-param-gather": ("overlap_param_gather", "true"),
     "--micro-batch-size": ("micro_batch_size", "int"),
     "--global-batch-size": ("global_batch_size", "int"),
@@ -577,7 +581,20 @@ def config_from(given: dict, ignored: list, conservative: list) -> TrainingConfi
     derive(cfg)
     validate(cfg)
     V.check_scale(cfg, ConfigError)
+    if cfg.ddp_num_buckets is not None:
+        _derive_bucket_size(cfg)
     return cfg
+
+
+def _derive_bucket_size(cfg: TrainingConfig) -> None:
+    """--ddp-num-buckets N: Megatron-LM's get_model makes the DDP bucket size the rank's parameter count // N (the
+    first stage's counts: only its first model chunk is bucketed)."""
+    if cfg.ddp_bucket_size is not None:
+        raise ConfigError("Cannot specify both --ddp-num-buckets and --ddp-bucket-size")
+    from estimator.memory import param_chunks   # the parameter model imports this module
+    chunks = param_chunks(cfg, 0, cfg.virtual_pipeline_model_parallel_size or 1)
+    # a size of 0 (more buckets than parameters) buckets each parameter alone in megatron-core, as a size of 1 does
+    cfg.ddp_bucket_size = max(1, sum(p[0] for chunk in chunks for p in chunk) // cfg.ddp_num_buckets)
 
 
 def _require(cfg: TrainingConfig, dest: str) -> None:
@@ -780,6 +797,17 @@ def validate(cfg: TrainingConfig) -> None:
     if cfg.world_size % model_size != 0:
         raise ConfigError(f"world size ({cfg.world_size}) is not divisible by total_model_size "
                           f"(total_model_size={model_size})")
+    n = cfg.num_distributed_optimizer_instances
+    if n > 1:   # megatron-core's DistributedDataParallel and initialize_model_parallel, in their words
+        if not cfg.use_distributed_optimizer:
+            raise ConfigError("Partial DistOpt cannot be used without DistOpt")
+        if (cfg.data_parallel_size * cp) % n:
+            raise ConfigError("Data parallel size should be divisible by partial DistOpt shard factor")
+        if cfg.expert_data_parallel_size % n:
+            raise ConfigError("Expert data parallel size should be divisible by partial DistOpt shard factor")
+        if cfg.use_megatron_fsdp or cfg.use_torch_fsdp2:
+            raise ConfigError("--num-distributed-optimizer-instances with sharded data parallelism (hybrid "
+                              "sharding) cannot be estimated: it is not modelled")
     micro_times_dp = cfg.micro_batch_size * cfg.data_parallel_size
     if cfg.global_batch_size <= 0:
         raise ConfigError("global_batch_size must be positive")

@@ -28,7 +28,7 @@ from estimator._record import dataclass, field
 from estimator.parallel import ParallelLayout, layout_from_config
 from estimator import fp8, moe_tokens, sharding
 from estimator.args import moe_layer_pattern
-from estimator.static_memory import DTYPE_BYTES, ParamInfo, chunk_buffer, ddp_bucket_size, precision
+from estimator.static_memory import DTYPE_BYTES, ParamInfo, chunk_buffer, dp_layout, precision
 
 
 def _g(cfg: Any, name: str, default: Any = None) -> Any:
@@ -178,6 +178,7 @@ class CommReport:
 
 # Group kinds whose groups vary no pipeline coordinate (megatron builds them from tp/cp/ep/dp digits only).
 _ONE_STAGE_KINDS = frozenset(["tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp-cp", "ep", "expert-tp", "expert-dp",
+                              "dp-cp-intra", "expert-dp-intra", "dist-opt-inter",
                               "expert-tp-ep"])
 
 
@@ -583,9 +584,10 @@ def _moe_layers_per_stage(pattern: Sequence[int], layers: Sequence[int]) -> list
 def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
     """DDP grad sync per bucket, exactly as megatron's _ParamAndGradBuffer splits and pads its buffers.
     member(group kind, stage) -> (ranks, groups, group size) as in communication(); rows are appended to `rows`."""
-    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-    dense_dp = lay.dp * lay.cp
-    first_bucket = ddp_bucket_size(cfg)  # the buffers static memory sizes: bucketed on stage 0's first chunk only
+    dist_opt, dense_dp, expert_dp, first_bucket = dp_layout(cfg)   # DP sizes: one optimizer instance's
+    # several distributed-optimizer instances: each reduce-scatters within its own ranks, then the ranks holding
+    # one shard all-reduce it across the instances (megatron-core's _ParamAndGradBucketGroup.start_grad_sync)
+    instances = _g(cfg, "num_distributed_optimizer_instances", 1) if dist_opt else 1
     pe, ge = DTYPE_BYTES.get(pdt, 4), DTYPE_BYTES.get(gdt, 4)
     for p, chunks in chunks_by_stage.items():
         # --fp8-param-gather: the GEMM weights are gathered in fp8 (modelled: their share of the stage's
@@ -593,33 +595,43 @@ def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
         fp8_share = fp8.param_gather_share(cfg, p, chunks)
         for ci, chunk in enumerate(chunks):
             bucket = first_bucket if p == 0 and ci == 0 else None
-            for expert, group, size in ((False, "dp-cp", dense_dp), (True, "expert-dp", lay.edp)):
+            for expert, group, size in ((False, "dp-cp", dense_dp), (True, "expert-dp", expert_dp)):
                 _, layout = chunk_buffer(chunk, expert, size, dist_opt, bucket)
                 if layout is None:
                     continue
-                ranks, groups, gsize = member(group, p)
-                if gsize <= 1:
-                    continue  # a group of one moves nothing
                 kind = "expert " if expert else ""
                 grad_what = f"{kind}grad bucket (chunk {ci})"
-                if dist_opt:
-                    param_what = f"{kind}param bucket after step (chunk {ci})"
-                    for (b0, b1) in layout.buckets:
-                        n = b1 - b0
+                if not dist_opt:
+                    ranks, groups, gsize = member(group, p)
+                    if gsize > 1:   # a group of one moves nothing
+                        for (b0, b1) in layout.buckets:
+                            n = b1 - b0
+                            rows.append(Collective("dp", "all-reduce", grad_what, group, gsize, groups, ranks, (n,),
+                                                   gdt, ge * n, 0, 1, "step", False, ""))
+                    continue
+                if instances > 1:
+                    group += "-intra"
+                    inter = member("dist-opt-inter", p)
+                ranks, groups, gsize = member(group, p)
+                param_what = f"{kind}param bucket after step (chunk {ci})"
+                for (b0, b1) in layout.buckets:
+                    n = b1 - b0
+                    if gsize > 1:
                         rows.append(Collective("dp", "reduce-scatter", grad_what, group, gsize, groups, ranks, (n,),
                                                gdt, ge * n, 0, 1, "step", False, ""))
-                        if fp8_share and not expert:
-                            rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
-                                                   (n,), f"{pdt}/fp8", int(n * (pe - (pe - 1) * fp8_share)), 0, 1,
-                                                   "step", True, ""))
-                        else:
-                            rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
-                                                   (n,), pdt, pe * n, 0, 1, "step", False, ""))
-                else:
-                    for (b0, b1) in layout.buckets:
-                        n = b1 - b0
-                        rows.append(Collective("dp", "all-reduce", grad_what, group, gsize, groups, ranks, (n,), gdt,
-                                               ge * n, 0, 1, "step", False, ""))
-
+                    if instances > 1:
+                        shard = n // size
+                        rows.append(Collective("dp", "all-reduce", f"{kind}grad shard across optimizer instances "
+                                               f"(chunk {ci})", "dist-opt-inter", inter[2], inter[1], inter[0],
+                                               (shard,), gdt, ge * shard, 0, 1, "step", False, ""))
+                    if gsize <= 1:
+                        continue
+                    if fp8_share and not expert:
+                        rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
+                                               (n,), f"{pdt}/fp8", int(n * (pe - (pe - 1) * fp8_share)), 0, 1,
+                                               "step", True, ""))
+                    else:
+                        rows.append(Collective("dp", "all-gather", param_what, group, gsize, groups, ranks,
+                                               (n,), pdt, pe * n, 0, 1, "step", False, ""))
 
 __all__ = ["Collective", "CommReport", "communication", "ring_factor", "layers_per_stage", "ParamInfo"]

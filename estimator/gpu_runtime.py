@@ -132,7 +132,7 @@ class _Config:
                  "h", "sp", "attn", "moe_gather", "mtp")
 
     def __init__(self, cfg, scores_in_buffer: bool = False):
-        from .static_memory import ddp_bucket_size
+        from .static_memory import dp_layout
         pd, _ = precision(cfg)
         self.e = DTYPE_BYTES[pd]
         self.t = t = _g(cfg, "tensor_model_parallel_size", 1)
@@ -152,11 +152,8 @@ class _Config:
         # fp32 tensors per parameter (or shard): Megatron's main copy of 16-bit params, Adam's two moments
         self.per_param = (1 if pd != "fp32" else 0) + (2 if opt == "adam" else 1 if _g(cfg, "sgd_momentum", 0.9)
                                                         else 0)
-        self.dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
-        dp = _g(cfg, "data_parallel_size", 1)
-        self.dp = dp * _g(cfg, "context_parallel_size", 1)   # as static_memory: dense buffers over dp x cp
-        self.dp_expert = _g(cfg, "expert_data_parallel_size", None) or dp
-        self.bucket = ddp_bucket_size(cfg)
+        # as static_memory: dense buffers over dp x cp (one distributed-optimizer instance's share of it)
+        self.dist_opt, self.dp, self.dp_expert, self.bucket = dp_layout(cfg)
 
 
 def _config(cfg, memo: Optional[dict], scores_in_buffer: bool = False) -> _Config:

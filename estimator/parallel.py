@@ -127,6 +127,11 @@ class RankCoords:
 DENSE_GROUPS = {"tp": "tp", "cp": "cp", "dp": "dp", "dp-cp": "dp-cp", "pp": "pp", "tp-pp": "tp-pp",
                 "tp-cp": "tp-cp", "tp-dp-cp": "tp-dp-cp"}
 EXPERT_GROUPS = {"ep": "ep", "expert-tp": "tp", "expert-dp": "dp", "expert-tp-ep": "tp-ep"}
+# Several distributed-optimizer instances (--num-distributed-optimizer-instances N > 1): each data-parallel group
+# splits into N consecutive parts, the optimizer's shards (intra), and the ranks holding one shard across the
+# parts all-reduce it (inter, one group for dense and expert parameters: megatron-core builds it from the expert
+# data-parallel groups, create_hierarchical_groups with sizes [EDP / N, N]).
+INSTANCE_GROUPS = ("dp-cp-intra", "expert-dp-intra", "dist-opt-inter")
 
 
 @dataclass
@@ -183,7 +188,8 @@ class ParallelLayout:
 
 
 def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
-                 order: str = DEFAULT_ORDER, nproc_per_node: int | None = None) -> ParallelLayout:
+                 order: str = DEFAULT_ORDER, nproc_per_node: int | None = None,
+                 dist_opt_instances: int = 1) -> ParallelLayout:
     """All groups and per-rank coordinates, following megatron-core's initialize_model_parallel."""
     for label, v in (("world size", world_size), ("tensor", tp), ("pipeline", pp), ("context", cp), ("expert", ep)):
         if int(v) < 1:
@@ -211,7 +217,14 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     if not pp_last and pp_groups != expert.get_ranks("pp"):
         raise ParallelConfigError("Pipeline parallel groups are expected to be the same for Non-Expert and Expert part")
 
-    groups = _LazyGroups(dense, expert, world_size)
+    n = int(dist_opt_instances)
+    if n < 1:
+        raise ParallelConfigError(f"the number of distributed-optimizer instances must be >= 1, got {n}")
+    if (dp * cp) % n:
+        raise ParallelConfigError("Data parallel size should be divisible by partial DistOpt shard factor")
+    if edp % n:
+        raise ParallelConfigError("Expert data parallel size should be divisible by partial DistOpt shard factor")
+    groups = _LazyGroups(dense, expert, world_size, n)
     dict.__setitem__(groups, "pp", pp_groups)
 
     nproc = nproc_per_node or world_size
@@ -226,17 +239,24 @@ class _LazyGroups(dict):
     position-embedding, world; anything but item access materializes every kind first."""
     KINDS = tuple(DENSE_GROUPS) + tuple(EXPERT_GROUPS) + ("embedding", "position-embedding", "world")
 
-    def __init__(self, dense, expert, world_size):
+    def __init__(self, dense, expert, world_size, instances: int = 1):
         super().__init__()
-        self._src = (dense, expert, world_size)
+        self._src = (dense, expert, world_size, instances)
         self._full = False
+        if instances > 1:   # the instance groups exist only then (as in megatron-core)
+            self.KINDS = self.KINDS + INSTANCE_GROUPS
 
     def _make(self, name):
-        dense, expert, world_size = self._src
+        dense, expert, world_size, n = self._src
         if name in DENSE_GROUPS:
             return dense.get_ranks(DENSE_GROUPS[name])
         if name in EXPERT_GROUPS:
             return expert.get_ranks(EXPERT_GROUPS[name])
+        if name in INSTANCE_GROUPS and n > 1:
+            if name == "dist-opt-inter":
+                return [g[j::len(g) // n] for g in self["expert-dp"] for j in range(len(g) // n)]
+            whole = self["dp-cp" if name == "dp-cp-intra" else "expert-dp"]
+            return [g[i * (len(g) // n):(i + 1) * (len(g) // n)] for g in whole for i in range(n)]
         # default_embedding_ranks / default_position_embedding_ranks: first and last (resp. first) stage of each
         # pp group.
         if name == "embedding":
@@ -346,4 +366,5 @@ def layout_from_config(cfg) -> ParallelLayout:
     return build_layout(world_size=int(world), tp=g("tensor_model_parallel_size", 1) or 1,
                         pp=g("pipeline_model_parallel_size", 1) or 1, cp=g("context_parallel_size", 1) or 1,
                         ep=g("expert_model_parallel_size", 1) or 1, etp=g("expert_tensor_parallel_size"),
-                        order=order, nproc_per_node=g("nproc_per_node") or None)
+                        order=order, nproc_per_node=g("nproc_per_node") or None,
+                        dist_opt_instances=g("num_distributed_optimizer_instances", 1) or 1)

@@ -396,20 +396,25 @@ def adam_step(cfg: Any, device: str = "cuda") -> str:
 def dp_layout(cfg: Any) -> Tuple[bool, int, int, Optional[int]]:
     """How DDP and the optimizer split a stage's parameters: (distributed optimizer, the dense DP size (DDP's
     buffers use the DP x CP group), the expert DP size, stage 0's first-chunk bucket size (ddp_bucket_size)) -- the
-    arguments optimizer_groups and the step-transient functions take after `chunks`."""
-    return (bool(_g(cfg, "use_distributed_optimizer", False)),
-            _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1),
-            _g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1),
+    arguments optimizer_groups and the step-transient functions take after `chunks`. With N distributed-optimizer
+    instances DDP's buffers and the shards use the groups of one instance, DP / N ranks (megatron-core's
+    intra_dp_cp_group and intra_expt_dp_group)."""
+    dist_opt = bool(_g(cfg, "use_distributed_optimizer", False))
+    n = _g(cfg, "num_distributed_optimizer_instances", 1) if dist_opt else 1
+    return (dist_opt,
+            _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1) // n,
+            (_g(cfg, "expert_data_parallel_size", None) or _g(cfg, "data_parallel_size", 1)) // n,
             ddp_bucket_size(cfg))
 
 
 def ddp_bucket_size(cfg: Any) -> Optional[int]:
-    """Elements per DDP bucket (stage 0's first chunk only; None: one bucket). megatron-core 0.16.1's
-    DistributedDataParallel: --ddp-bucket-size, else max(40M, 1M x the data-parallel size without CP); no buckets
-    unless --overlap-grad-reduce."""
+    """Elements per DDP bucket (stage 0's first chunk only; None: one bucket). Megatron-LM 0.16.1's get_model:
+    --ddp-bucket-size (or the size --ddp-num-buckets sets), else max(40M, 1M x the data-parallel size with CP);
+    no buckets unless --overlap-grad-reduce."""
     if not _g(cfg, "overlap_grad_reduce", False):
         return None
-    return _g(cfg, "ddp_bucket_size", None) or max(40_000_000, 1_000_000 * _g(cfg, "data_parallel_size", 1))
+    return _g(cfg, "ddp_bucket_size", None) or max(
+        40_000_000, 1_000_000 * _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1))
 
 
 def local_spec(cfg: Any) -> bool:
@@ -516,7 +521,7 @@ def table_bytes_per_param(cfg: Any) -> float:
     """Megatron's documented bytes/param (docs: distributed optimizer): 18 | 6+12/d (bf16), 20 | 4+16/d (fp16),
     16 | 8+8/d (fp32), Adam, padding ignored."""
     pd, gd = precision(cfg)
-    d = _g(cfg, "data_parallel_size", 1) * _g(cfg, "context_parallel_size", 1)
+    d = dp_layout(cfg)[1]
     _, sharded = optimizer_bytes_per_param(cfg)
     rep = DTYPE_BYTES[pd] + DTYPE_BYTES[gd]
     return rep + sharded / d if _g(cfg, "use_distributed_optimizer", False) else rep + sharded

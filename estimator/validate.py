@@ -39,7 +39,8 @@ _INTS = {
     "expert_tensor_parallel_size": (1, COUNT_LIMIT),
     "num_layers_per_virtual_pipeline_stage": (1, COUNT_LIMIT), "num_virtual_stages_per_pipeline_rank": (1, COUNT_LIMIT),
     "decoder_first_pipeline_num_layers": (1, COUNT_LIMIT), "decoder_last_pipeline_num_layers": (1, COUNT_LIMIT),
-    "ddp_bucket_size": (1, INT64_MAX),
+    "ddp_bucket_size": (1, INT64_MAX), "ddp_num_buckets": (1, INT64_MAX),
+    "num_distributed_optimizer_instances": (1, COUNT_LIMIT),
     "micro_batch_size": (1, DIM_LIMIT), "global_batch_size": (1, INT64_MAX),
     "recompute_num_layers": (0, COUNT_LIMIT),
     "nproc_per_node": (1, COUNT_LIMIT), "nnodes": (1, COUNT_LIMIT), "node_rank": (0, COUNT_LIMIT),
@@ -55,6 +56,7 @@ _BELOW_MINIMUM = {
                                            "num_shared_experts * ffn_size_of_each_shared_expert, but got {v}",
     "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage must be larger than 0",
     "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage must be larger than 0",
+    "ddp_num_buckets": "--ddp-num-buckets must be greater than 0",
 }
 # dest -> (minimum, maximum, minimum included) for float fields; all must be finite.
 _FLOATS = {

@@ -94,6 +94,34 @@ def test_groups_equal_initialize_model_parallel(world, tp, pp, cp, ep, etp, orde
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("world,tp,pp,cp,ep,etp,n", [(8, 1, 1, 1, 2, None, 2), (16, 2, 2, 2, 2, 1, 2),
+                                                      (16, 1, 2, 1, 1, None, 4), (8, 1, 1, 2, 1, None, 4)])
+def test_optimizer_instance_groups_equal_initialize_model_parallel(world, tp, pp, cp, ep, etp, n):
+    """--num-distributed-optimizer-instances N: the data-parallel groups one instance shards over (dense: DP x CP,
+    expert: expert DP) and the group that all-reduces a shard across the instances, as megatron-core builds them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    lay = build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dist_opt_instances=n)
+    assert {"dp-cp-intra", "expert-dp-intra", "dist-opt-inter"} <= set(lay.groups)
+    ranks_of = dist.get_process_group_ranks
+    for r in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
+        try:
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         context_parallel_size=cp, expert_model_parallel_size=ep,
+                                         expert_tensor_parallel_size=etp, num_distributed_optimizer_instances=n,
+                                         create_gloo_process_groups=False)
+            real = {"dp-cp-intra": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+                    "expert-dp-intra": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+                    "dist-opt-inter": ps.get_inter_distributed_optimizer_instance_group()}
+            for name, group in real.items():
+                assert lay.group_of(name, r) == ranks_of(group), (name, r)
+        finally:
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+    assert "dp-cp-intra" not in build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).groups
+
+
 def test_invalid_layouts_raise_megatron_messages():
     with pytest.raises(ParallelConfigError, match="not divisible"):
         build_layout(6, tp=4)
@@ -101,6 +129,8 @@ def test_invalid_layouts_raise_megatron_messages():
         build_layout(4, tp=1, ep=8)
     with pytest.raises(ParallelConfigError, match="pp-last"):
         build_layout(8, tp=2, pp=2, ep=2, etp=2, order=TP_PP_DP_ORDER)
+    with pytest.raises(ParallelConfigError, match="partial DistOpt shard factor"):
+        build_layout(8, tp=2, dist_opt_instances=3)
 
 
 def test_layout_from_config_uses_megatron_dest_names():

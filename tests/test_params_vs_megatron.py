@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
 from conftest import TP_REPLICATED, run_on_gloo_world  # noqa: E402
-from estimator.args import parse_args  # noqa: E402
+from estimator.args import ConfigError, parse_args  # noqa: E402
 from estimator.model import rank_params  # noqa: E402
 
 WORLD = 4
@@ -176,3 +176,19 @@ def test_tp_replicated_grads_equal_megatron(megatron_results, case_id):
     for _, rank, coords, measured, error in [r for r in results if r[0] == case_id]:
         assert error is None, error
         assert per_stage[coords["pp"]] == measured.get(TP_REPLICATED, 0), f"rank {rank} {coords}"
+
+
+
+def test_ddp_num_buckets_sets_the_bucket_size_from_megatrons_parameter_count(megatron_results):
+    """--ddp-num-buckets N: Megatron-LM's get_model takes the bucket size as the rank's parameters (every model
+    chunk megatron-core builds for it) // N; the first stage's, as only its first chunk is bucketed."""
+    _, results = megatron_results
+    case = "vpp2_tp2_pp2"
+    built = {sum(v for k, v in counts.items() if k != TP_REPLICATED)
+             for c, _, coords, counts, _ in results if c == case and coords["pp"] == 0}
+    assert len(built) == 1    # the TP ranks hold equal counts
+    (total,) = built
+    cfg = parse_args(shlex.split(BASE + CASES[case] + " --overlap-grad-reduce --ddp-num-buckets 3"))
+    assert cfg.ddp_bucket_size == total // 3
+    with pytest.raises(ConfigError, match="Cannot specify both"):
+        parse_args(shlex.split(BASE + CASES[case] + " --ddp-num-buckets 3 --ddp-bucket-size 1000"))
