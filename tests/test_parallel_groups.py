@@ -54,44 +54,48 @@ FAKE_GRID = [(8, 2, 2, 1, 2, 1, DEFAULT_ORDER), (8, 1, 2, 2, 1, None, DEFAULT_OR
              (4, 1, 4, 1, 1, None, DEFAULT_ORDER), (8, 2, 1, 1, 8, 1, DEFAULT_ORDER)]
 
 
-@pytest.mark.parametrize("world,tp,pp,cp,ep,etp,order", FAKE_GRID)
-def test_groups_equal_initialize_model_parallel(world, tp, pp, cp, ep, etp, order):
+def _each_fake_rank(world, **kwargs):
+    """Each rank of a fake world in turn, with megatron-core's initialize_model_parallel(**kwargs) done for it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    lay = build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order, nproc_per_node=4)
-    ranks_of = dist.get_process_group_ranks
     for r in range(world):
         dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
         try:
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         context_parallel_size=cp, expert_model_parallel_size=ep,
-                                         expert_tensor_parallel_size=etp, order=order,
-                                         create_gloo_process_groups=False)
-            real = {
-                "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
-                "dp": ps.get_data_parallel_group(), "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
-                "cp": ps.get_context_parallel_group(), "tp-pp": ps.get_model_parallel_group(),
-                "tp-cp": ps.get_tensor_and_context_parallel_group(),
-                "tp-dp-cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-                "embedding": ps.get_embedding_group(check_initialized=False),
-                "position-embedding": ps.get_position_embedding_group(check_initialized=False),
-                "ep": ps.get_expert_model_parallel_group(), "expert-tp": ps.get_expert_tensor_parallel_group(),
-                "expert-dp": ps.get_expert_data_parallel_group(),
-                "expert-tp-ep": ps.get_expert_tensor_and_model_parallel_group(),
-            }
-            for name, group in real.items():
-                # megatron keeps an embedding group only on the ranks inside it
-                assert lay.group_of(name, r) == (ranks_of(group) if group is not None else []), (name, r)
-            c = lay.ranks[r]
-            assert (c.tp, c.pp, c.dp, c.cp) == (ps.get_tensor_model_parallel_rank(),
-                                                ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
-                                                ps.get_context_parallel_rank())
-            assert (c.ep, c.etp, c.edp) == (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(),
-                                            ps.get_expert_data_parallel_rank())
-            assert c.name == gpu_name(r, 4) == f"n{r // 4}_g{r % 4}"
+            ps.initialize_model_parallel(create_gloo_process_groups=False, **kwargs)
+            yield r
         finally:
             ps.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,ep,etp,order", FAKE_GRID)
+def test_groups_equal_initialize_model_parallel(world, tp, pp, cp, ep, etp, order):
+    lay = build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order, nproc_per_node=4)
+    ranks_of = dist.get_process_group_ranks
+    for r in _each_fake_rank(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                             context_parallel_size=cp, expert_model_parallel_size=ep,
+                             expert_tensor_parallel_size=etp, order=order):
+        real = {
+            "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+            "dp": ps.get_data_parallel_group(), "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
+            "cp": ps.get_context_parallel_group(), "tp-pp": ps.get_model_parallel_group(),
+            "tp-cp": ps.get_tensor_and_context_parallel_group(),
+            "tp-dp-cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+            "embedding": ps.get_embedding_group(check_initialized=False),
+            "position-embedding": ps.get_position_embedding_group(check_initialized=False),
+            "ep": ps.get_expert_model_parallel_group(), "expert-tp": ps.get_expert_tensor_parallel_group(),
+            "expert-dp": ps.get_expert_data_parallel_group(),
+            "expert-tp-ep": ps.get_expert_tensor_and_model_parallel_group(),
+        }
+        for name, group in real.items():
+            # megatron keeps an embedding group only on the ranks inside it
+            assert lay.group_of(name, r) == (ranks_of(group) if group is not None else []), (name, r)
+        c = lay.ranks[r]
+        assert (c.tp, c.pp, c.dp, c.cp) == (ps.get_tensor_model_parallel_rank(),
+                                            ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+                                            ps.get_context_parallel_rank())
+        assert (c.ep, c.etp, c.edp) == (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(),
+                                        ps.get_expert_data_parallel_rank())
+        assert c.name == gpu_name(r, 4) == f"n{r // 4}_g{r % 4}"
 
 
 @pytest.mark.parametrize("world,tp,pp,cp,ep,etp,n", [(8, 1, 1, 1, 2, None, 2), (16, 2, 2, 2, 2, 1, 2),
@@ -99,26 +103,17 @@ def test_groups_equal_initialize_model_parallel(world, tp, pp, cp, ep, etp, orde
 def test_optimizer_instance_groups_equal_initialize_model_parallel(world, tp, pp, cp, ep, etp, n):
     """--num-distributed-optimizer-instances N: the data-parallel groups one instance shards over (dense: DP x CP,
     expert: expert DP) and the group that all-reduces a shard across the instances, as megatron-core builds them."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     lay = build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dist_opt_instances=n)
     assert {"dp-cp-intra", "expert-dp-intra", "dist-opt-inter"} <= set(lay.groups)
     ranks_of = dist.get_process_group_ranks
-    for r in range(world):
-        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
-        try:
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         context_parallel_size=cp, expert_model_parallel_size=ep,
-                                         expert_tensor_parallel_size=etp, num_distributed_optimizer_instances=n,
-                                         create_gloo_process_groups=False)
-            real = {"dp-cp-intra": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
-                    "expert-dp-intra": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
-                    "dist-opt-inter": ps.get_inter_distributed_optimizer_instance_group()}
-            for name, group in real.items():
-                assert lay.group_of(name, r) == ranks_of(group), (name, r)
-        finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+    for r in _each_fake_rank(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                             context_parallel_size=cp, expert_model_parallel_size=ep,
+                             expert_tensor_parallel_size=etp, num_distributed_optimizer_instances=n):
+        real = {"dp-cp-intra": ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+                "expert-dp-intra": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+                "dist-opt-inter": ps.get_inter_distributed_optimizer_instance_group()}
+        for name, group in real.items():
+            assert lay.group_of(name, r) == ranks_of(group), (name, r)
     assert "dp-cp-intra" not in build_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).groups
 
 
