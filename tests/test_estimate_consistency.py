@@ -11,7 +11,7 @@ from estimator.cli import build_report
 LAYOUTS = [
     "--nproc_per_node 8 --nnodes 2 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
     "--nproc_per_node 8 --nnodes 2 --pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce",
-    # CP > 1 with overlap: megatron sizes buckets from the dp x cp group
+    # CP > 1 with overlap: Megatron-LM sizes buckets from the dp x cp group (64 ranks: 64M elements, not 40M)
     "--nproc_per_node 8 --nnodes 8 --context-parallel-size 8 --use-distributed-optimizer --overlap-grad-reduce",
     "--nproc_per_node 8 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 50000000",
     "--nproc_per_node 8 --nnodes 2 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 "
@@ -35,12 +35,13 @@ def test_dp_collectives_cover_the_grad_buffers(layout):
         if dense_dp > 1:
             assert all(c.group_size == dense_dp for c in rows)
     if "--overlap-grad-reduce" in layout:
-        # Stage 0's first chunk is bucketed as megatron-core's DDP does it: --ddp-bucket-size, else
-        # max(40M, 1M x DP size without CP) elements (distributed_data_parallel.py, dp_group).
+        # Stage 0's first chunk is bucketed as Megatron-LM 0.16.1 asks megatron-core's DDP to: --ddp-bucket-size,
+        # else max(40M, 1M x DP x CP) elements (training.get_model sets it before DDP's own default, which counts
+        # DP alone, could apply).
         from estimator.memory import all_param_chunks
         from estimator.static_memory import buffer_layout
         cfg = report.cfg
-        want = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * cfg.data_parallel_size)
+        want = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * cfg.data_parallel_size * cfg.context_parallel_size)
         chunk = all_param_chunks(cfg)[0][0]
         lay = buffer_layout([p.numel for p in chunk], [p.shared_embedding for p in chunk],
                             report.layout.dp * report.layout.cp, True, want)
