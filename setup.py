@@ -14,6 +14,10 @@ tracealloc = Extension(
     optional=True,
 )
 
+# The caching-allocator replay under torch's default settings (estimator.caching_allocator.replay), in C: optional,
+# the estimator replays in Python where it is missing (slower on large layouts, the same numbers).
+replay = Extension("estimator._replay", sources=["csrc/replay.c"], extra_compile_args=["-O2"], optional=True)
+
 setup(
     name="megatron-memtrace",
     version="0.1.0",
@@ -23,7 +27,7 @@ setup(
     py_modules=["get_training_info"],
     package_data={"fit": ["sets/*.json"], "estimator": ["presets/*.json", "formula_sets/*.json"]},
     include_package_data=True,
-    ext_modules=[tracealloc],
+    ext_modules=[tracealloc, replay],
     install_requires=["numpy>=1.21"],
     extras_require={
         "profile": ["torch>=2.1,<3", "megatron-core>=0.9,<1", "matplotlib>=3.5"],
