@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: example test refit bench fuzz accuracy reserved gpu-validation recompute-twins clean
+.PHONY: example test test-all refit bench fuzz accuracy reserved gpu-validation recompute-twins clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ example: $(VENV)/.estimator-ready
 
 # Two workers (the CI machine has two cores): the suite is mostly single-threaded megatron-core runs.
 test: $(VENV)/.test-ready
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
+
+# Everything, the slow end-to-end runs included (CI runs `make test`).
+test-all: $(VENV)/.test-ready
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
