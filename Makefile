@@ -23,15 +23,16 @@ $(VENV)/.test-ready: $(VENV)/.estimator-ready requirements-test.txt
 example: $(VENV)/.estimator-ready
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/estimate_llama2_7b.sh
 
-# Two workers (the CI machine has two cores): the suite is mostly single-threaded megatron-core runs.
+# Two workers (the CI machine has two cores): the suite is mostly single-threaded megatron-core runs; work
+# stealing keeps the two busy to the end (a few tests take minutes).
 test: $(VENV)/.test-ready
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 # Everything, the slow end-to-end runs included (CI runs `make test`).
 test-all: $(VENV)/.test-ready
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-ready
 	$(PY) benchmarks/estimator_speed.py

@@ -32,6 +32,8 @@ NEWER_IGNORED = {
     "--num-speculative-tokens", "--chat-template", "--disable-save-tokenizer-assets", "--no-save-tokenizer-assets",
     "--start-eval-at-iter", "--validation-set-names", "--exit-signal-handler-for-training", "--use-mup",
     "--use-same-sampling-seed-across-dp-ranks",
+    # a global-batch schedule, as --rampup-batch-size (ignored too): the estimate takes --global-batch-size
+    "--step-batch-size-schedule",
 }
 
 _NO_FORMULAS = "no formula set measures it"
