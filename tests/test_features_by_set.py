@@ -40,6 +40,7 @@ FEATURES = {
                               " --use-precision-aware-optimizer", -1, None),
     "TP comm overlap": ("--tp-comm-overlap", "", "", +1, None),
     "Megatron FSDP": ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", "", "", 0, None),
+    "two distributed-optimizer instances": ("--num-distributed-optimizer-instances 2", "", "", +1, None),
     "cross-entropy loss fusion": ("--cross-entropy-loss-fusion", "", " --vocab-size 32000", +1, None),  # the loss sets the peak
     "fp32 residual connection": ("--fp32-residual-connection", "", "", +1, "fp32 residual stream"),
     "qk layernorm": ("--qk-layernorm", "", "", +1, "qk layernorm"),
