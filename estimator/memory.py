@@ -216,13 +216,13 @@ def estimate(cfg: Any, formula_set: Union[str, F.FormulaSet, None] = None, timel
             runtime = gpu_runtime.stage_items(cfg, stage_chunks, r, runtime_env, memo, gpu=device != "cpu",
                                               scores_in_buffer=scores_in_buffer)
             gpu_bytes = sum([it.bytes for it in runtime])
-            # Persistent from the first forward on (reported under `other`): the local attention's global buffer,
-            # the rotary cache and the MoE layers' routing state (estimator.persistent_state).
             # Sharded data parallelism's gathered weights are live while the model computes, its unsharded
             # gradient buckets in each backward; neither outlives the iteration (estimator.sharding).
             gathered, grad_buckets = sharding.compute_bytes(cfg, stage_chunks)
             if grad_buckets:
                 chunks = [A.with_backward_extra(c, grad_buckets) for c in chunks]
+            # Persistent from the first forward on (reported under `other`): the local attention's global buffer,
+            # the rotary cache and the MoE layers' routing state (estimator.persistent_state).
             base = st.total_bytes + (attn_buffer if any(c.key[1] for c in stage_chunks) else 0) + userbuffers \
                 + gpu_bytes + persistent_state.stage_bytes(cfg, stage_chunks) + gathered
             stage = memo[stage_key] = (chunks, per_op, st, base, runtime, gpu_bytes, gathered)
