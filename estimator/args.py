@@ -801,10 +801,11 @@ def validate(cfg: TrainingConfig) -> None:
     if n > 1:   # megatron-core's DistributedDataParallel and initialize_model_parallel, in their words
         if not cfg.use_distributed_optimizer:
             raise ConfigError("Partial DistOpt cannot be used without DistOpt")
-        if (cfg.data_parallel_size * cp) % n:
-            raise ConfigError("Data parallel size should be divisible by partial DistOpt shard factor")
-        if cfg.expert_data_parallel_size % n:
-            raise ConfigError("Expert data parallel size should be divisible by partial DistOpt shard factor")
+        from estimator.parallel import ParallelConfigError, check_dist_opt_instances
+        try:
+            check_dist_opt_instances(cfg.data_parallel_size * cp, cfg.expert_data_parallel_size, n)
+        except ParallelConfigError as exc:
+            raise ConfigError(str(exc)) from None
         if cfg.use_megatron_fsdp or cfg.use_torch_fsdp2:
             raise ConfigError("--num-distributed-optimizer-instances with sharded data parallelism (hybrid "
                               "sharding) cannot be estimated: it is not modelled")

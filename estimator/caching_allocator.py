@@ -76,6 +76,11 @@ class AllocatorConfig:
                 "roundup_power2_divisions": list(self.divisions) if any(self.divisions) else None,
                 "garbage_collection_threshold": self.gc_threshold or None}
 
+    def plain_rules(self) -> bool:
+        """No setting that changes a rule: no roundup divisions, expandable segments or max_split_size (garbage
+        collection acts only under a device limit)."""
+        return not any(self.divisions) and not self.expandable and self.max_split_size == INF
+
     def round_divisions(self, size: int) -> int:
         """AcceleratorAllocatorConfig::roundup_power2_divisions(size): the entry of size's power-of-two interval."""
         log = size.bit_length() - 1
@@ -283,8 +288,7 @@ class CachingAllocator:
         self._gc = self.conf.gc_threshold > 0 and limit is not None
         # The default settings: no oversize rules, no garbage collection, no expandable segments. alloc() then
         # takes a shorter path to the same result (the general one stays the reference: tests compare them).
-        self._plain = (self._plain_round and not self._gc and not self.conf.expandable
-                       and self.conf.max_split_size == INF)
+        self._plain = self.conf.plain_rules() and not self._gc
 
     # ---- public
     def alloc(self, size: int) -> _Block:
@@ -626,8 +630,8 @@ def replay(events, conf: Optional[AllocatorConfig] = None, limit: Optional[int] 
     A free of an unknown id is ignored (a trace may start with tensors allocated before it). accelerated: under
     torch's default settings with no limit, replay in C where the extension is built (the same numbers; the class
     below is the reference, tests/test_replay_accelerated.py)."""
-    default = conf is None or (not any(conf.divisions) and not conf.expandable and conf.max_split_size == INF)
-    if accelerated and _accelerated is not None and default and limit is None and not timeline:
+    plain = conf is None or conf.plain_rules()
+    if accelerated and _accelerated is not None and plain and limit is None and not timeline:
         try:
             allocated, reserved, peak_allocated, peak_reserved, segments, peak_segments = \
                 _accelerated.replay_default(events)

@@ -587,7 +587,7 @@ def _dp_rows(cfg, lay, chunks_by_stage, member, rows, pdt, gdt) -> None:
     dist_opt, dense_dp, expert_dp, first_bucket = dp_layout(cfg)   # DP sizes: one optimizer instance's
     # several distributed-optimizer instances: each reduce-scatters within its own ranks, then the ranks holding
     # one shard all-reduce it across the instances (megatron-core's _ParamAndGradBucketGroup.start_grad_sync)
-    instances = _g(cfg, "num_distributed_optimizer_instances", 1) if dist_opt else 1
+    instances = _g(cfg, "num_distributed_optimizer_instances", 1)   # read on the distributed-optimizer path only
     pe, ge = DTYPE_BYTES.get(pdt, 4), DTYPE_BYTES.get(gdt, 4)
     for p, chunks in chunks_by_stage.items():
         # --fp8-param-gather: the GEMM weights are gathered in fp8 (modelled: their share of the stage's

@@ -218,12 +218,7 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
         raise ParallelConfigError("Pipeline parallel groups are expected to be the same for Non-Expert and Expert part")
 
     n = int(dist_opt_instances)
-    if n < 1:
-        raise ParallelConfigError(f"the number of distributed-optimizer instances must be >= 1, got {n}")
-    if (dp * cp) % n:
-        raise ParallelConfigError("Data parallel size should be divisible by partial DistOpt shard factor")
-    if edp % n:
-        raise ParallelConfigError("Expert data parallel size should be divisible by partial DistOpt shard factor")
+    check_dist_opt_instances(dp * cp, edp, n)
     groups = _LazyGroups(dense, expert, world_size, n)
     dict.__setitem__(groups, "pp", pp_groups)
 
@@ -231,6 +226,17 @@ def build_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     return ParallelLayout(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, edp=edp,
                           order=dense.order if order == DEFAULT_ORDER else order, nproc_per_node=nproc,
                           groups=groups, _grids=(dense, expert))
+
+
+def check_dist_opt_instances(dp_cp: int, edp: int, n: int) -> None:
+    """N distributed-optimizer instances split the DP x CP and the expert DP groups: megatron-core's
+    initialize_model_parallel checks, in its words."""
+    if n < 1:
+        raise ParallelConfigError(f"the number of distributed-optimizer instances must be >= 1, got {n}")
+    if dp_cp % n:
+        raise ParallelConfigError("Data parallel size should be divisible by partial DistOpt shard factor")
+    if edp % n:
+        raise ParallelConfigError("Expert data parallel size should be divisible by partial DistOpt shard factor")
 
 
 class _LazyGroups(dict):

@@ -66,11 +66,10 @@ def units_in_flight(cfg) -> int:
     the whole model as this rank holds it (TP / EP shards), erring high for a stage that lacks the largest."""
     from estimator import model as M
     units = []
+    pattern = [bool(x) for x in cfg.moe_layer_pattern()]
     for moe in (False, True):
-        n = sum(1 for x in cfg.moe_layer_pattern() if bool(x) == moe)
-        if n:
-            layer = next(i for i, x in enumerate(cfg.moe_layer_pattern()) if bool(x) == moe)
-            units += [sum(op.numel for op in M.layer_ops(cfg, layer))] * min(n, 2)
+        if moe in pattern:   # one unit per layer kind, at most two of it
+            units += [sum(op.numel for op in M.layer_ops(cfg, pattern.index(moe)))] * min(pattern.count(moe), 2)
     units.append(sum(op.numel for op in M.head_ops(cfg, True)))
     units.append(sum(op.numel for op in M.tail_ops(cfg, cfg.pipeline_model_parallel_size == 1, True)))
     return sum(sorted(units)[-2:])
