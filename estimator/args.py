@@ -47,6 +47,8 @@ class TrainingConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    qk_l2_norm: bool = False              # Llama-4's parameter-free L2 norm of queries and keys (megatron's L2Norm)
+    attention_output_gate: bool = False   # Qwen3-Next's gate: linear_qkv also projects a gate; out * sigmoid(gate)
     # --- multi-latent attention (DeepSeek-V2/V3; megatron-core MLASelfAttention): Megatron-LM's defaults ---
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None     # None: the query is one projection (linear_q_proj), no down/up pair
@@ -277,6 +279,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("add_bias_linear", "false"),
     "--add-qkv-bias": ("add_qkv_bias", "true"),
     "--qk-layernorm": ("qk_layernorm", "true"),
+    "--qk-l2-norm": ("qk_l2_norm", "true"),
+    "--attention-output-gate": ("attention_output_gate", "true"),
     "--multi-latent-attention": ("multi_latent_attention", "true"),
     "--q-lora-rank": ("q_lora_rank", "int"),
     "--kv-lora-rank": ("kv_lora_rank", "int"),
@@ -876,6 +880,11 @@ def _validate_mla(cfg: TrainingConfig) -> None:
         return
     if cfg.group_query_attention:
         raise ConfigError("Group query attention is mutually exclusive with multi latent attention.")
+    # megatron-core 0.16.1's words (gpt_layer_specs, MLATransformerConfig)
+    if cfg.qk_l2_norm:
+        raise ConfigError("qk_l2_norm is not supported with MLA.")
+    if cfg.attention_output_gate:
+        raise ConfigError("Output gate is not supported for MLA yet.")
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")

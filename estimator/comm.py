@@ -242,7 +242,7 @@ def _tp_replicated_elements(cfg: Any, layers: int, last: bool) -> int:
             norms = (q + kv) * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2) \
                 if _g(cfg, "qk_layernorm", False) else 0
             n += layers * (h * (q + kv + rope) + norms)
-    elif _g(cfg, "qk_layernorm", False):
+    elif _g(cfg, "qk_layernorm", False) and not _g(cfg, "qk_l2_norm", False):   # (L2Norm has no weights)
         d = _g(cfg, "kv_channels") or h // _g(cfg, "num_attention_heads")
         n += layers * 2 * d * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
     return n

@@ -204,8 +204,11 @@ class ComposedCache:
         if rows is None:
             rows = self._transform_rows[moe] = [
                 (op, (s, max(f, s), -s, b, False)) for op, s, f, b in
-                transforms.layer_rows(self.cfg, self.env, moe, self.fset.kind == "modelled")]
+                transforms.layer_rows(self.cfg, self.env, moe, self.fset.kind == "modelled", self._measured)]
         return [(op, values, op, layer) for op, values in rows]
+
+    def _measured(self, switch: str, value) -> bool:
+        return value in self.fset.seen_switch_values().get(switch, ())
 
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:
@@ -479,14 +482,16 @@ def untraced_features(cfg, sw: dict, fset) -> list:
     """Config features a composed set cannot express (no traced run had them), named for the report."""
     out = []
     seen_values = fset.seen_switch_values()
+    by_transform = transforms.modelled_switch_values()
     for k, v in sw.items():
         if k == "dropout_mask" and not sw.get("dropout"):
             continue    # no dropout, no mask
-        if k in seen_values and v not in seen_values[k]:
+        if k in seen_values and v not in seen_values[k] and (k, v) not in by_transform:
             out.append(f"{k}={v}")
     keys = {k for k in STRUCTURE_SWITCHES if k in seen_values}
     out += unseen_pairs(sw, _traced_with(fset, keys))
-    # (qk-layernorm, context parallelism and shared experts are the layer transforms' rows, modelled: `modelled`)
+    # (context parallelism and shared experts are the layer transforms' rows, modelled: `modelled`; so is
+    # qk-layernorm where the set's runs never had it)
     return out
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from estimator import fp8, fused_softmax, sharding, tp_overlap
 
 
-def modelled(cfg) -> list[str]:
+def modelled(cfg, fset=None) -> list[str]:
+    """fset: the formula set of the estimate (a feature some of its runs had is measured, not listed)."""
     out = []
     if sharding.active(cfg):
         name = "torch FSDP2" if cfg.use_torch_fsdp2 else f"Megatron FSDP ({cfg.data_parallel_sharding_strategy})"
@@ -29,7 +30,9 @@ def modelled(cfg) -> list[str]:
         out.append(f"--moe-router-dtype {cfg.moe_router_dtype}: router logits and scores in that dtype")
     if cfg.fp32_residual_connection and cfg.params_dtype != "fp32":
         out.append("--fp32-residual-connection: the residual stream in fp32 (each layer's two norm inputs)")
-    if cfg.qk_layernorm and not cfg.multi_latent_attention:   # (MLA's latent norms are in its traced programs)
+    # (MLA's latent norms are in its traced programs; an L2 norm takes the layer norm's place, measured or refused)
+    if cfg.qk_layernorm and not cfg.multi_latent_attention and not cfg.qk_l2_norm and \
+            (fset is None or "layernorm" not in fset.seen_switch_values().get("qk_norm", ())):
         out.append("--qk-layernorm: each layer keeps the query's and key's share of the QKV output for the norms")
     if cfg.multi_latent_attention and not cfg.qk_layernorm:
         out.append("multi-latent attention without --qk-layernorm: estimated with the latents' norms it was traced "

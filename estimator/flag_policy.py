@@ -54,8 +54,6 @@ REFUSED = {
     "--mtp-standalone": "multi-token prediction on a pipeline stage of its own is not modelled (on the loss's stage it is)",
     "--experimental-attention-variant": "experimental attention variants are not modelled",
     "--linear-attention-freq": "linear attention layers are not modelled",
-    "--attention-output-gate": "the attention output gate's parameters and activations are not modelled",
-    "--qk-l2-norm": "the QK L2 norm's saved activations are not modelled",
     "--use-fused-weighted-squared-relu": f"squared-ReLU MLP activations: {_NO_FORMULAS}",
     "--openai-gelu": f"the tanh-GELU's saved intermediates: {_NO_FORMULAS}",
     "--fp8-quantizer-factory": "custom fp8 quantizers are not modelled",

@@ -70,6 +70,13 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
     # lookups' weight gradients are summed before the gradient hook, where an MTP stage after the first has an
     # embedding of its own
     "mtp_shared": (True, False),
+    # the query's and key's per-head norm in standard attention (--qk-layernorm: the layer spec's norm module;
+    # --qk-l2-norm: megatron's parameter-free L2Norm, which takes its place), separate modules of the attention;
+    # multi-latent attention's latent norms are part of its own programs ('none' under MLA)
+    "qk_norm": ("none", "layernorm", "l2"),
+    # --attention-output-gate: linear_qkv also projects a gate, and the attention's output is multiplied by its
+    # sigmoid in fp32 (megatron-core SelfAttention._apply_output_gate)
+    "output_gate": (True, False),
     "sp": (True, False),
     "recompute": ("none", "selective", "full"),
     "activation": ("gelu", "swiglu", "squared_relu"),
@@ -849,6 +856,9 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "attention": kern["attention"],
         "mla": bool(_get(cfg, "multi_latent_attention", False)),
         "q_lora": bool(_get(cfg, "multi_latent_attention", False)) and bool(_get(cfg, "q_lora_rank", None)),
+        "qk_norm": "none" if _get(cfg, "multi_latent_attention", False)
+        else "l2" if _get(cfg, "qk_l2_norm", False) else "layernorm" if _get(cfg, "qk_layernorm", False) else "none",
+        "output_gate": bool(_get(cfg, "attention_output_gate", False)),
         "mtp": bool(_get(cfg, "mtp_num_layers", 0)),
         "mtp_shared": bool(_get(cfg, "mtp_num_layers", 0))
         and (_get(cfg, "pipeline_model_parallel_size", 1) or 1) == 1,

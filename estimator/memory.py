@@ -139,10 +139,10 @@ def schedule_name(cfg) -> str:
 
 
 # Features whose ops no other op stands in for: composing them from the standard layer's ops would be a wrong
-# number, so a set measures them (some of its runs had them) or the estimate stops. (The per-op modelled set has
-# no formulas for them.) switch -> (config attribute, flag)
-_OWN_OPS = {"mla": ("multi_latent_attention", "--multi-latent-attention"),
-            "mtp": ("mtp_num_layers", "--mtp-num-layers")}
+# number, so a set measures them (some of its runs had the switch value) or the estimate stops. (The per-op
+# modelled set has no formulas for them.) (switch, value) -> flag
+_OWN_OPS = {("mla", True): "--multi-latent-attention", ("mtp", True): "--mtp-num-layers",
+            ("qk_norm", "l2"): "--qk-l2-norm", ("output_gate", True): "--attention-output-gate"}
 
 
 def _check_measures(cfg, fset) -> None:
@@ -159,13 +159,13 @@ def _check_measures(cfg, fset) -> None:
         # joined hidden states): the traced runs have one MTP layer
         raise ConfigError(f"--mtp-num-layers {cfg.mtp_num_layers} cannot be estimated: no formula set measured more "
                           f"than one multi-token prediction layer")
-    used = [(switch, flag) for switch, (attr, flag) in _OWN_OPS.items() if getattr(cfg, attr, None)]
-    if not used:
-        return      # (the set's seen values are costly to gather the first time)
-    seen = fset.seen_switch_values()
-    for switch, flag in used:
-        if True not in seen.get(switch, ()):
-                raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
+    if not any(getattr(cfg, a, None) for a in ("multi_latent_attention", "mtp_num_layers", "qk_l2_norm",
+                                               "attention_output_gate")):
+        return      # (the set's switch values are costly to gather the first time)
+    sw, seen = F.switches(cfg), fset.seen_switch_values()
+    for (switch, value), flag in _OWN_OPS.items():
+        if sw[switch] == value and value not in seen.get(switch, ()):
+            raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
                               f"it measured no run with it (use --formulas cpu_compose)")
 
 

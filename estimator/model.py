@@ -171,12 +171,14 @@ def _attention_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
     if cfg.multi_latent_attention:
         return _mla_ops(cfg, layer)
     t, h, d = cfg.tensor_model_parallel_size, cfg.hidden_size, cfg.kv_channels
-    qkv_out = d * (cfg.num_attention_heads + 2 * cfg.num_query_groups) // t
+    # (the output gate's projection rides in linear_qkv: one more head-width column per attention head)
+    gate = cfg.num_attention_heads if cfg.attention_output_gate else 0
+    qkv_out = d * (cfg.num_attention_heads + 2 * cfg.num_query_groups + gate) // t
     ops = [
         OpParams("layers.*.input_layernorm", layer, _norm(cfg, h)),
         OpParams("layers.*.self_attention.linear_qkv", layer, _linear(qkv_out, h, cfg.add_qkv_bias)),
     ]
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm and not cfg.qk_l2_norm:    # (megatron's L2Norm, which the spec then takes, has no weights)
         ops.append(OpParams("layers.*.self_attention.q_layernorm", layer, _norm(cfg, d)))
         ops.append(OpParams("layers.*.self_attention.k_layernorm", layer, _norm(cfg, d)))
     if cfg.softmax_type == "learnable":

@@ -422,7 +422,7 @@ def _section_notes(report) -> list[str]:
 
 def _section_modelled(report) -> list[str]:
     """Features the config uses whose memory is modelled from Megatron's implementation, not measured."""
-    notes = features.modelled(report.cfg)
+    notes = features.modelled(report.cfg, report.formula_set)
     return _wrap(["Modelled, not measured:"] + ["  " + n for n in notes]) if notes else []
 
 
@@ -518,7 +518,7 @@ def to_json(report, ranks=None, groups=None, communication=None) -> dict:
                         **({"coverage": report.estimate.coverage} if report.estimate.coverage else {})},
         "config": cfg.to_dict(),
         "ignored_args": list(cfg.ignored_args),
-        "modelled_features": features.modelled(cfg),
+        "modelled_features": features.modelled(cfg, report.formula_set),
         # the routing assumption the expert-side activations were estimated under (estimator.moe_tokens)
         **({"moe_routing": moe_tokens.routing(cfg).to_json()} if cfg.is_moe else {}),
         "schedule": est.schedule,

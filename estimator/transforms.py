@@ -22,15 +22,27 @@ LAYER: dict[str, Callable] = {}
 # name -> fn(cfg, layer_kept: list[float]) -> bytes that leave the device per microbatch
 CHUNK: dict[str, Callable] = {}
 LAYER_LABELS: set = set()   # the op labels of the rows layer transforms add
+# name -> (switch, value): a transform that models a switch value a set may also have measured; a set whose runs
+# had that value answers from its programs, and the transform adds nothing there
+STANDS_FOR: dict[str, tuple] = {}
 
 
-def layer_transform(name: str, label: str):
-    """Register fn as the layer transform `name`; `label`: the op label of the rows it adds."""
+def layer_transform(name: str, label: str, stands_for: tuple | None = None):
+    """Register fn as the layer transform `name`; `label`: the op label of the rows it adds; `stands_for`: the
+    (switch, value) it models where a set did not measure it."""
     def register(fn):
         LAYER[name] = fn
         LAYER_LABELS.add(label)
+        if stands_for is not None:
+            STANDS_FOR[name] = stands_for
         return fn
     return register
+
+
+def modelled_switch_values() -> set:
+    """The (switch, value) pairs a transform models where a set's runs never had them: such a value is not
+    missing from the set's measurements, its bytes come from the transform (said in the report)."""
+    return set(STANDS_FOR.values())
 
 
 def chunk_transform(name: str):
@@ -56,11 +68,14 @@ def _fields(cfg):
     return _Fields(cfg) if isinstance(cfg, dict) else cfg
 
 
-def layer_rows(cfg, env: dict, moe: bool, modelled: bool) -> list:
-    """The rows every registered layer transform adds to a layer of this kind (dense or MoE)."""
+def layer_rows(cfg, env: dict, moe: bool, modelled: bool, measured=None) -> list:
+    """The rows every registered layer transform adds to a layer of this kind (dense or MoE). measured(switch,
+    value): whether the set's runs had that value (a transform STANDS_FOR then adds nothing); None: never."""
     cfg = _fields(cfg)
     rows = []
-    for fn in LAYER.values():
+    for name, fn in LAYER.items():
+        if measured is not None and name in STANDS_FOR and measured(*STANDS_FOR[name]):
+            continue
         row = fn(cfg, env, moe, modelled)
         if row is not None:
             rows.append(row)

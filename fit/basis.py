@@ -205,6 +205,14 @@ def family(op: str) -> str:
     return "layer"  # widest basis for anything unrecognised
 
 
+# Bare atoms a family's own allocations need and no other label's fit should be offered (they are not in the
+# every-family list the size solver tries after a label's own): the CPU flash kernel's per-thread fp32 scratch of
+# the attention stand-in, [q block, s + d] plus two q-block rows for s < 192 (4*(32*s + 32*d + 64) bytes), which a
+# head width other than hidden / heads tells apart from every other atom; and the fp32 weight gradient of a
+# query's or key's norm, d elements.
+OWN_ONLY: dict[str, list[str]] = {"core_attention": ["s", "d"], "layernorm": ["d"]}
+
+
 def candidates(op: str, moe: bool | None = None) -> list[Monomial]:
     """Ordered candidate monomials for `op`: atoms times e first, then the same atoms bare. `moe`: the data are
     all MoE layers (True) or all dense (False); the layer op then takes the basis of that kind."""
@@ -215,7 +223,7 @@ def candidates(op: str, moe: bool | None = None) -> list[Monomial]:
     out: list[Monomial] = []
     # The input batch has fixed dtypes (int64 ids, bool mask, fp32 loss mask): its bare atoms come first.
     scaled = [times(a, "e") for a in atoms]
-    for m in (atoms + scaled if fam == "data" else scaled + atoms):
+    for m in (atoms + scaled if fam == "data" else scaled + atoms) + [parse_monomial(a) for a in OWN_ONLY.get(fam, [])]:
         if m not in out:
             out.append(m)
     return out

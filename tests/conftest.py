@@ -101,6 +101,8 @@ def transformer_config(cfg):
         kwargs.update(activation_func=squared_relu)
     if cfg.softmax_type != "vanilla":
         kwargs.update(softmax_type=cfg.softmax_type)
+    if cfg.attention_output_gate:
+        kwargs.update(attention_output_gate=True)
     if cfg.pipeline_model_parallel_layout is not None:
         kwargs.update(pipeline_model_parallel_layout=cfg.pipeline_model_parallel_layout)
     if cfg.mtp_num_layers:
@@ -145,7 +147,7 @@ def megatron_param_counts(cfg, pp_rank: int) -> dict:
     for vp in range(vpp):
         vp_stage = vp if cfg.virtual_pipeline_model_parallel_size else None
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=cfg.normalization,
-                                          vp_stage=vp_stage, pp_rank=pp_rank)
+                                          qk_l2_norm=cfg.qk_l2_norm, vp_stage=vp_stage, pp_rank=pp_rank)
         # as pretrain_gpt.py: the MTP block (on the loss's stage) repeats the decoder's last layer spec
         mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te, vp_stage=vp_stage, pp_rank=pp_rank) \
             if cfg.mtp_num_layers else None

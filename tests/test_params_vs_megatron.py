@@ -114,6 +114,23 @@ CASES = {
                            "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
                            "--moe-token-dispatcher-type alltoall --sequence-parallel --qk-layernorm "
                            "--transformer-impl transformer_engine",
+    # Qwen3-Next style attention: an output gate (linear_qkv projects one more head-width per head), QK RMSNorm,
+    # GQA, TP 2 x PP 2
+    "output_gate_tp2_pp2": "--num-layers 4 --attention-output-gate --qk-layernorm --swiglu --normalization RMSNorm "
+                           "--position-embedding-type rope --disable-bias-linear --group-query-attention "
+                           "--num-query-groups 2 --untie-embeddings-and-output-weights "
+                           "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    # Llama-4 style: QK L2 norm (no weights, so nothing for TP to all-reduce), with --qk-layernorm given too (the
+    # L2 norm takes its place), TP 4 + SP on the TE spec's stand-ins
+    "qk_l2_norm_tp4_sp": "--num-layers 2 --qk-l2-norm --qk-layernorm --swiglu --normalization RMSNorm "
+                         "--position-embedding-type rope --disable-bias-linear --group-query-attention "
+                         "--num-query-groups 4 --tensor-model-parallel-size 4 --sequence-parallel "
+                         "--transformer-impl transformer_engine",
+    # both with MoE layers and a QKV bias: TP 2 x EP 2 with sequence parallelism
+    "gate_l2_moe_tp2_ep2_sp": "--num-layers 2 --attention-output-gate --qk-l2-norm --add-qkv-bias --num-experts 4 "
+                              "--moe-router-topk 2 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 "
+                              "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall "
+                              "--sequence-parallel --transformer-impl transformer_engine",
     # MoE: TP2 with EP2 and expert-TP1, gelu with biases (router bias too), every 2nd layer MoE
     "moe_tp2_ep2_etp1": "--num-layers 4 --num-experts 4 --moe-layer-freq 2 --tensor-model-parallel-size 2 "
                         "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "

@@ -219,12 +219,13 @@ def _layer_spec(cfg, tconfig, vp_stage, te: bool):
 
     if cfg.is_moe:
         return specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te,
-                                                normalization=cfg.normalization, vp_stage=vp_stage)
+                                                normalization=cfg.normalization, qk_l2_norm=cfg.qk_l2_norm,
+                                                vp_stage=vp_stage)
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(None, False, cfg.qk_layernorm,
-                                                                cfg.multi_latent_attention)
+                                                                cfg.multi_latent_attention, qk_l2_norm=cfg.qk_l2_norm)
     return specs.get_gpt_layer_local_spec(None, False, cfg.qk_layernorm, cfg.multi_latent_attention,
-                                          normalization=cfg.normalization)
+                                          normalization=cfg.normalization, qk_l2_norm=cfg.qk_l2_norm)
 
 
 def build_model(cfg, tconfig, te: bool | None = None) -> list:

@@ -10,7 +10,7 @@ from estimator.formulas import STRUCTURE_SWITCHES   # the estimator checks combi
 # Switches most likely to change what an op allocates come first, so ties between equally good splits prefer them;
 # the layer spec before all (it changes the most labels: norms fused into linear_qkv and linear_fc1).
 ORDER = ("spec", "attention", "mla", "q_lora", "mtp", "mtp_shared", "recompute", "moe", "moe_comm", "activation", "position",
-         "normalization", "torch_norm", "gqa", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias",
+         "normalization", "torch_norm", "gqa", "qk_norm", "output_gate", "dropout", "sp", "dtype", "softmax_fp32", "tp", "collectives", "bias",
          "tied", "fuse_act", "fuse_softmax", "fuse_rope", "dropout_mask", "fuse_ce", "fuse_bda", "mb1", "qcopy",
          "qcore", "a2a", "le1", "epx", "pre_softmax", "grouped_gemm", "scores")
 # Switches a label's runs are split on first wherever they change its event structure, before the greedy choice,
@@ -66,7 +66,8 @@ RELEVANT = {
     "mtp_head.output_layer": ("spec", "dtype", "tied", "sp", "tp", "collectives", "mb1", "fuse_ce", "torch_norm",
                               "mtp_shared"),
     "mtp_head.loss": ("spec", "dtype", "tp", "collectives", "sp", "mb1", "fuse_ce", "torch_norm", "mtp_shared"),
-    "layers.*.self_attention": _LAYER_PART + ("attention", "mla", "q_lora", "position", "gqa", "qcopy", "qcore",
+    "layers.*.self_attention": _LAYER_PART + ("attention", "mla", "q_lora", "position", "gqa", "qk_norm",
+                                              "output_gate", "qcopy", "qcore",
                                               "dropout", "dropout_mask", "softmax_fp32", "bias", "fuse_softmax",
                                               "fuse_rope", "scores"),
     # (and dropout: the bias-dropout-add after the MLP hands its last linear's backward a gradient of its own under
@@ -107,8 +108,9 @@ def parts(runs: list, keys: tuple) -> dict:
 
 # Beyond the structure switches the estimator checks in pairs (STRUCTURE_SWITCHES), what changes an op's children:
 # multi-latent attention's query latent (a down / up pair or one projection) and, with MLA, the fused RoPE (the
-# unfused path calls the layer's rotary embedding module, the fused one reads its cache).
-STRUCTURE_KEYS = STRUCTURE_SWITCHES + ("q_lora", "fuse_rope")
+# unfused path calls the layer's rotary embedding module, the fused one reads its cache), and the query's and key's
+# norm modules.
+STRUCTURE_KEYS = STRUCTURE_SWITCHES + ("q_lora", "fuse_rope", "qk_norm")
 
 
 def _structure_keys(have: list, op: str) -> tuple:
