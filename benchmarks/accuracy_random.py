@@ -12,7 +12,9 @@ embeddings, dropout on/off, fp32
 half of them), TP 2 with and without sequence
 parallelism, PP 2 (1F1B and interleaved), DP 2 with and without the distributed optimizer, selective and full
 (uniform / block) recompute, MoE (EP 1/2, alltoall and allgather dispatchers, balanced routing), at most 2
-processes each. Candidate i takes its process layout from a fixed cycle (`LAYOUTS`, so every layout is drawn) and
+processes each; with --gpu-kernels, the draws on Transformer Engine's flash attention also get the query's and
+key's norms (RMSNorm / LayerNorm or L2) and the attention output gate from their own stream. Candidate i takes its
+process layout from a fixed cycle (`LAYOUTS`, so every layout is drawn) and
 everything else from its own random stream (seed, i): the list is deterministic and a rejected draw is replaced by
 the next one. A draw is rejected when
 - Megatron-LM's argument validation (as the estimator reproduces it) or megatron-core's TransformerConfig refuses it;
@@ -71,7 +73,8 @@ FEATURES = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads
             "virtual_pipeline_model_parallel_size", "data_parallel_size", "sequence_parallel",
             "use_distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
             "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "expert_model_parallel_size",
-            "expert_tensor_parallel_size", "moe_token_dispatcher_type", "kernels")
+            "expert_tensor_parallel_size", "moe_token_dispatcher_type", "qk_layernorm", "qk_l2_norm",
+            "attention_output_gate", "kernels")
 MIN_DIFFERENCES = 2
 
 
@@ -212,6 +215,9 @@ def draw(seed: int, index: int, gpu_kernels: bool = False) -> dict:
         launcher.append("--gpu-kernels")
         argv, ktags = _kernel_flags(random.Random(f"{seed}:{index}:kernels"), argv)
         tags += ktags
+        if "te" in ktags:   # the attention variants, traced with TE's flash attention: from their own stream
+            argv, vtags = _attention_variant(random.Random(f"{seed}:{index}:attention-variant"), argv)
+            tags += vtags
     name = f"{index:03d}_" + "_".join(tags) + f"_h{hidden}s{seq}b{mb}x{nmb}l{layers}v{vocab}"
     from fit.campaign import launcher_flags
     return {"name": name, "argv": argv, "nproc": nproc, "launcher": launcher_flags(argv) + launcher,
@@ -219,6 +225,20 @@ def draw(seed: int, index: int, gpu_kernels: bool = False) -> dict:
 
 
 FUSION_OFF = ("--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion")
+
+
+def _attention_variant(rng: random.Random, argv: list) -> tuple[list, list]:
+    """The query's and key's norms (none in half the draws, RMSNorm / LayerNorm or the L2 norm in a quarter each)
+    and the attention output gate (in a third), as Qwen3, Llama-4 and Qwen3-Next have them."""
+    argv, tags = list(argv), []
+    norm = _pick(rng, {None: 2, "--qk-layernorm": 1, "--qk-l2-norm": 1})
+    if norm:
+        argv.append(norm)
+        tags.append("qkln" if norm == "--qk-layernorm" else "qkl2")
+    if rng.random() < 1 / 3:
+        argv.append("--attention-output-gate")
+        tags.append("gate")
+    return argv, tags
 
 
 def _kernel_flags(rng: random.Random, argv: list) -> tuple[list, list]:
