@@ -28,6 +28,7 @@ from estimator._record import dataclass, field
 from estimator.parallel import ParallelLayout, layout_from_config
 from estimator import fp8, moe_tokens, sharding
 from estimator.args import moe_layer_pattern
+from estimator.formulas import qk_norm_of
 from estimator.static_memory import DTYPE_BYTES, ParamInfo, chunk_buffer, dp_layout, precision
 
 
@@ -242,7 +243,7 @@ def _tp_replicated_elements(cfg: Any, layers: int, last: bool) -> int:
             norms = (q + kv) * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2) \
                 if _g(cfg, "qk_layernorm", False) else 0
             n += layers * (h * (q + kv + rope) + norms)
-    elif _g(cfg, "qk_layernorm", False) and not _g(cfg, "qk_l2_norm", False):   # (L2Norm has no weights)
+    elif qk_norm_of(cfg) == "layernorm":   # (an L2 norm has no weights)
         d = _g(cfg, "kv_channels") or h // _g(cfg, "num_attention_heads")
         n += layers * 2 * d * (1 if _g(cfg, "normalization", "LayerNorm") == "RMSNorm" else 2)
     return n

@@ -204,11 +204,8 @@ class ComposedCache:
         if rows is None:
             rows = self._transform_rows[moe] = [
                 (op, (s, max(f, s), -s, b, False)) for op, s, f, b in
-                transforms.layer_rows(self.cfg, self.env, moe, self.fset.kind == "modelled", self._measured)]
+                transforms.layer_rows(self.cfg, self.env, moe, self.fset.kind == "modelled", self.fset.measures)]
         return [(op, values, op, layer) for op, values in rows]
-
-    def _measured(self, switch: str, value) -> bool:
-        return value in self.fset.seen_switch_values().get(switch, ())
 
     # ---- sequence
     def sequence(self, moe_flags, first: bool, last: bool) -> list:

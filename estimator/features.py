@@ -4,6 +4,7 @@ absent. The report and the JSON list them."""
 from __future__ import annotations
 
 from estimator import fp8, fused_softmax, sharding, tp_overlap
+from estimator.formulas import qk_norm_of
 
 
 def modelled(cfg, fset=None) -> list[str]:
@@ -31,8 +32,7 @@ def modelled(cfg, fset=None) -> list[str]:
     if cfg.fp32_residual_connection and cfg.params_dtype != "fp32":
         out.append("--fp32-residual-connection: the residual stream in fp32 (each layer's two norm inputs)")
     # (MLA's latent norms are in its traced programs; an L2 norm takes the layer norm's place, measured or refused)
-    if cfg.qk_layernorm and not cfg.multi_latent_attention and not cfg.qk_l2_norm and \
-            (fset is None or "layernorm" not in fset.seen_switch_values().get("qk_norm", ())):
+    if qk_norm_of(cfg) == "layernorm" and (fset is None or not fset.measures("qk_norm", "layernorm")):
         out.append("--qk-layernorm: each layer keeps the query's and key's share of the QKV output for the norms")
     if cfg.multi_latent_attention and not cfg.qk_layernorm:
         out.append("multi-latent attention without --qk-layernorm: estimated with the latents' norms it was traced "

@@ -288,6 +288,10 @@ class FormulaSet:
         (tracer/standins.py) on CPU and on the H100 alike: every fitted set; the modelled set describes TE itself."""
         return self.kind != "modelled"
 
+    def measures(self, switch: str, value: Any) -> bool:
+        """Whether some run of the set had this switch value."""
+        return value in self.seen_switch_values().get(switch, ())
+
     def seen_switch_values(self) -> Dict[str, set]:
         """Per switch, the values some run of the set had (a composed or program set; cached)."""
         seen = self._cache.get("seen switch values")
@@ -662,6 +666,14 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return default if v is None else v
 
 
+def qk_norm_of(cfg: Any) -> str:
+    """The `qk_norm` switch: the query's and key's per-head norm modules of standard attention ('none' under
+    multi-latent attention, whose latent norms are its own programs; the L2 norm takes the layer norm's place)."""
+    if _get(cfg, "multi_latent_attention", False):
+        return "none"
+    return "l2" if _get(cfg, "qk_l2_norm", False) else "layernorm" if _get(cfg, "qk_layernorm", False) else "none"
+
+
 def dtype_of(cfg: Any) -> str:
     return "bf16" if _get(cfg, "bf16", False) else "fp16" if _get(cfg, "fp16", False) else "fp32"
 
@@ -856,8 +868,7 @@ def switches(cfg: Any, env: Optional[Mapping[str, float]] = None) -> Dict[str, A
         "attention": kern["attention"],
         "mla": bool(_get(cfg, "multi_latent_attention", False)),
         "q_lora": bool(_get(cfg, "multi_latent_attention", False)) and bool(_get(cfg, "q_lora_rank", None)),
-        "qk_norm": "none" if _get(cfg, "multi_latent_attention", False)
-        else "l2" if _get(cfg, "qk_l2_norm", False) else "layernorm" if _get(cfg, "qk_layernorm", False) else "none",
+        "qk_norm": qk_norm_of(cfg),
         "output_gate": bool(_get(cfg, "attention_output_gate", False)),
         "mtp": bool(_get(cfg, "mtp_num_layers", 0)),
         "mtp_shared": bool(_get(cfg, "mtp_num_layers", 0))

@@ -162,9 +162,9 @@ def _check_measures(cfg, fset) -> None:
     if not any(getattr(cfg, a, None) for a in ("multi_latent_attention", "mtp_num_layers", "qk_l2_norm",
                                                "attention_output_gate")):
         return      # (the set's switch values are costly to gather the first time)
-    sw, seen = F.switches(cfg), fset.seen_switch_values()
+    sw = F.switches(cfg)
     for (switch, value), flag in _OWN_OPS.items():
-        if sw[switch] == value and value not in seen.get(switch, ()):
+        if sw[switch] == value and not fset.measures(switch, value):
             raise ConfigError(f"{flag} changes memory and cannot be estimated with formula set {fset.name!r}: "
                               f"it measured no run with it (use --formulas cpu_compose)")
 

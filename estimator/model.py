@@ -16,6 +16,7 @@ from estimator._record import dataclass, field
 from math import prod
 
 from estimator.args import TrainingConfig
+from estimator.formulas import qk_norm_of
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def _attention_ops(cfg: TrainingConfig, layer: int) -> list[OpParams]:
         OpParams("layers.*.input_layernorm", layer, _norm(cfg, h)),
         OpParams("layers.*.self_attention.linear_qkv", layer, _linear(qkv_out, h, cfg.add_qkv_bias)),
     ]
-    if cfg.qk_layernorm and not cfg.qk_l2_norm:    # (megatron's L2Norm, which the spec then takes, has no weights)
+    if qk_norm_of(cfg) == "layernorm":    # (megatron's L2Norm, which the spec takes instead, has no weights)
         ops.append(OpParams("layers.*.self_attention.q_layernorm", layer, _norm(cfg, d)))
         ops.append(OpParams("layers.*.self_attention.k_layernorm", layer, _norm(cfg, d)))
     if cfg.softmax_type == "learnable":

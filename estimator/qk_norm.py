@@ -5,6 +5,7 @@ saves its input, views of the projection's output that nothing else keeps, so th
 of that output stays alive per layer until the backward (the norms' statistics are per token and head: ignored)."""
 from __future__ import annotations
 
+from .formulas import qk_norm_of
 from .transforms import layer_transform
 
 LABEL = "layers.*.self_attention.qk_layernorm"
@@ -12,8 +13,7 @@ LABEL = "layers.*.self_attention.qk_layernorm"
 
 @layer_transform("qk layernorm", LABEL, stands_for=("qk_norm", "layernorm"))
 def layer_row(cfg, env: dict, moe: bool, modelled: bool):
-    if not getattr(cfg, "qk_layernorm", False) or getattr(cfg, "multi_latent_attention", False) \
-            or getattr(cfg, "qk_l2_norm", False):
+    if qk_norm_of(cfg) != "layernorm":
         return None     # (multi-latent attention's latent norms are in its measured programs; an L2 norm is measured)
     saved = env["e"] * env["s"] * env["b"] * (env["a"] + env["g"]) * env["d"] / env["t"]
     return (LABEL, saved, saved, 0.0)
